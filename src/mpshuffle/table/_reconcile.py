@@ -1,0 +1,147 @@
+"""Make an unpacked pandas frame match the meta: same columns, same dtypes, or an error.
+
+Pieces from different input partitions can disagree on a column's dtype (a
+string column that is all None in one partition arrives as ``object`` or Arrow
+``null``; an integer column may be ``int64`` where the meta says ``Int64``).
+Each such column is cast toward the meta's dtype only when the cast is
+lossless: the same rows are missing before and after, and casting back gives
+the same values. Anything else raises :class:`~mpshuffle.errors.ShuffleError`
+naming the column and both dtypes, never a silent lossy cast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from mpshuffle.errors import ShuffleError
+
+__all__ = ["check_columns", "reconcile"]
+
+
+def check_columns(actual: list[Any], meta: pd.DataFrame) -> None:
+    """Raise if the data's columns and the meta's differ as sets.
+
+    Raises
+    ------
+    ShuffleError
+        Naming the columns of ``meta`` that the data lacks, or the data's
+        columns that ``meta`` lacks.
+    """
+    expected = list(meta.columns)
+    missing = [c for c in expected if c not in actual]
+    if missing:
+        raise ShuffleError(
+            f"the data lacks column(s) {missing!r} that the meta declares "
+            f"(data columns: {actual!r})"
+        )
+    extra = [c for c in actual if c not in expected]
+    if extra:
+        raise ShuffleError(
+            f"the data has column(s) {extra!r} that the meta lacks (meta columns: {expected!r})"
+        )
+
+
+def _lossy(name: Any, have: Any, want: Any, why: str = "") -> ShuffleError:
+    return ShuffleError(
+        f"column {name!r}: cannot cast dtype {have} to the meta's dtype {want} "
+        f"without losing values{': ' + why if why else ''}"
+    )
+
+
+def _same_values(a: pd.Series, b: pd.Series) -> bool:
+    null_a = a.isna().to_numpy()
+    if not np.array_equal(null_a, b.isna().to_numpy()):
+        return False
+    keep = ~null_a
+    # Series.equals compares in C (object arrays element-wise), and needs
+    # equal dtypes, which the caller guarantees by casting back.
+    return bool(
+        a[keep].reset_index(drop=True).equals(b[keep].reset_index(drop=True))
+    )
+
+
+def cast_lossless(column: pd.Series, dtype: Any) -> pd.Series:
+    """Cast ``column`` to ``dtype`` if no value changes, else raise.
+
+    Parameters
+    ----------
+    column
+        Shape ``(n,)``.
+    dtype
+        The meta's dtype for this column.
+
+    Returns
+    -------
+    pandas.Series
+        With ``dtype`` — except a categorical whose values are not all among
+        the meta's categories (e.g. Dask's unknown-categories meta), which
+        keeps its own categories (the union over the pieces).
+
+    Raises
+    ------
+    ShuffleError
+        Naming the column and both dtypes.
+    """
+    have = column.dtype
+    if isinstance(have, pd.CategoricalDtype) and isinstance(dtype, pd.CategoricalDtype):
+        cast = column.astype(dtype)
+        return cast if np.array_equal(cast.isna(), column.isna()) else column
+    if dtype == object:
+        # None (not NaN) for missing, as an object column built by the user has.
+        values = column.to_numpy(dtype=object, na_value=None)
+        return pd.Series(values, index=column.index, name=column.name, dtype=object)
+    try:
+        cast = column.astype(dtype)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _lossy(column.name, have, dtype, f"{type(e).__name__}: {e}") from e
+    if column.isna().all() and cast.isna().all():
+        return cast
+    try:
+        back = cast.astype(have)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _lossy(column.name, have, dtype, "the cast does not round-trip") from e
+    if back.dtype != have or not _same_values(column, back):
+        raise _lossy(column.name, have, dtype)
+    return cast
+
+
+def reconcile(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
+    """Return ``frame`` with ``meta``'s column order and dtypes.
+
+    Parameters
+    ----------
+    frame
+        The concatenated pieces.
+    meta
+        Empty frame with the expected columns and dtypes.
+
+    Returns
+    -------
+    pandas.DataFrame
+
+    Raises
+    ------
+    ShuffleError
+        If a column is missing or extra, or cannot be cast losslessly.
+    """
+    check_columns(list(frame.columns), meta)
+    if list(frame.columns) != list(meta.columns):
+        frame = frame[list(meta.columns)]
+    changed = {
+        name: cast_lossless(frame[name], want)
+        for name, want in meta.dtypes.items()
+        if frame[name].dtype != want
+    }
+    if changed:
+        frame = _replace(frame, changed)
+    return frame
+
+
+def _replace(frame: pd.DataFrame, changed: dict[Any, pd.Series]) -> pd.DataFrame:
+    frame = frame.copy(deep=False)
+    for name, column in changed.items():
+        frame[name] = column
+    return frame

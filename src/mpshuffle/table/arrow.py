@@ -1,0 +1,139 @@
+"""Frame adapter for ``pyarrow.Table``.
+
+Pieces are Arrow IPC streams (see :mod:`mpshuffle.table._ipc`). On unpack
+the pieces are concatenated with ``promote_options="default"`` and every
+column is cast to the meta's type when that is lossless (``null`` columns
+always; others when a safe cast round-trips to the same values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pyarrow as pa
+
+from mpshuffle.errors import ShuffleError
+from mpshuffle.table._ipc import ARROW, Header, read_ipc, split_table
+from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.hashing import partition_ids
+from mpshuffle.table.packed import PackedData
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+__all__ = ["ArrowAdapter"]
+
+
+def _schema(meta: pa.Table | pa.Schema) -> pa.Schema:
+    return meta if isinstance(meta, pa.Schema) else meta.schema
+
+
+class ArrowAdapter(FrameAdapter):
+    """Adapter for ``pyarrow.Table`` (a meta may be a ``Table`` or a ``Schema``)."""
+
+    name: ClassVar[str] = "pyarrow"
+
+    def matches(self, obj: object) -> bool:
+        """Return whether ``obj`` is a ``pyarrow.Table`` or ``pyarrow.Schema``."""
+        return isinstance(obj, (pa.Table, pa.Schema))
+
+    def column_names(self, frame: pa.Table) -> list[Any]:
+        """Return the field names."""
+        return list(frame.column_names)
+
+    def num_rows(self, frame: pa.Table) -> int:
+        """Return the number of rows."""
+        return int(frame.num_rows)
+
+    def nbytes(self, frame: pa.Table) -> int:
+        """Return ``frame.nbytes``: bytes of the buffers the table (or slice) spans."""
+        return int(frame.nbytes)
+
+    def partition_ids(
+        self, frame: pa.Table, on: Sequence[Any], npartitions: int
+    ) -> npt.NDArray[np.int64]:
+        """Return each row's output partition id; see :mod:`mpshuffle.table.hashing`.
+
+        Raises
+        ------
+        KeyError
+            If a column of ``on`` is missing.
+        """
+        missing = [c for c in on if c not in frame.column_names]
+        if missing:
+            raise KeyError(f"key column(s) {missing!r} not in table columns {frame.column_names!r}")
+        return partition_ids(frame.select(list(on)), npartitions)
+
+    def split(self, frame: pa.Table, on: Sequence[Any], npartitions: int) -> dict[int, PackedData]:
+        """Split by hash of ``on``: one gather, zero-copy slices, one IPC write each.
+
+        Returns
+        -------
+        dict
+            ``{partition_id: PackedData}`` of non-empty pieces, rows in order.
+
+        Raises
+        ------
+        KeyError
+            If a key column is missing.
+        """
+        ids = self.partition_ids(frame, on, npartitions)
+        return split_table(frame, ids, Header(ARROW).encode())
+
+    def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:
+        """Concatenate pieces in order into a table with ``meta``'s schema.
+
+        Raises
+        ------
+        ShuffleError
+            If a piece is not Arrow-packed, lacks a field of ``meta`` or has
+            one it lacks, or a column cannot be cast losslessly; the message
+            names the column.
+        """
+        schema = _schema(meta)
+        if not pieces:
+            return self.empty_like(meta)
+        tables = []
+        for piece in pieces:
+            if Header.decode(piece.metadata).fmt != ARROW:
+                raise ShuffleError("the pyarrow adapter got a piece not packed as Arrow IPC")
+            table = read_ipc(piece.data)
+            self._check_names(table.column_names, schema)
+            tables.append(table)
+        try:
+            table = pa.concat_tables(tables, promote_options="default")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise ShuffleError(f"pieces have incompatible schemas: {e}") from e
+        columns = [self._cast(table.column(f.name), f) for f in schema]
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    @staticmethod
+    def _check_names(names: list[str], schema: pa.Schema) -> None:
+        missing = [n for n in schema.names if n not in names]
+        if missing:
+            raise ShuffleError(f"the data lacks column(s) {missing!r} that the meta declares")
+        extra = [n for n in names if n not in schema.names]
+        if extra:
+            raise ShuffleError(f"the data has column(s) {extra!r} that the meta lacks")
+
+    @staticmethod
+    def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
+        if column.type == field.type or pa.types.is_null(column.type):
+            return column.cast(field.type)
+        try:
+            cast = column.cast(field.type, safe=True)
+            lossless = cast.cast(column.type).equals(column)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            lossless = False
+        if not lossless:
+            raise ShuffleError(
+                f"column {field.name!r}: cannot cast type {column.type} to the meta's type "
+                f"{field.type} without losing values"
+            )
+        return cast
+
+    def empty_like(self, meta: pa.Table | pa.Schema) -> pa.Table:
+        """Return a table with 0 rows and ``meta``'s schema."""
+        return _schema(meta).empty_table()

@@ -1,0 +1,205 @@
+"""The frame-adapter interface and the registry that picks an adapter for a frame."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from mpshuffle.table.packed import PackedData
+
+__all__ = ["AdapterRegistry", "FrameAdapter", "get_adapter", "register_adapter"]
+
+
+class FrameAdapter(ABC):
+    """Everything the shuffle needs to know about one kind of frame.
+
+    An adapter hashes a frame's key columns, splits the frame into
+    :class:`~mpshuffle.table.packed.PackedData` pieces (one per output
+    partition) and concatenates received pieces back into a frame.
+
+    Attributes
+    ----------
+    name
+        Short name of the frame library, e.g. ``"pandas"``.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def matches(self, obj: object) -> bool:
+        """Return whether ``obj`` (a frame or a meta) is handled by this adapter."""
+
+    @abstractmethod
+    def column_names(self, frame: Any) -> list[Any]:
+        """Return the column names of ``frame``, in order."""
+
+    @abstractmethod
+    def num_rows(self, frame: Any) -> int:
+        """Return the number of rows of ``frame``."""
+
+    @abstractmethod
+    def nbytes(self, frame: Any) -> int:
+        """Return the in-memory size of ``frame`` in bytes."""
+
+    @abstractmethod
+    def partition_ids(self, frame: Any, on: Sequence[Any], npartitions: int) -> npt.NDArray[np.int64]:
+        """Return the output partition id of every row.
+
+        Parameters
+        ----------
+        frame
+            Shape ``(n, c)``.
+        on
+            Names of the key columns, in order (the order changes the hash).
+        npartitions
+            Number of output partitions, ``>= 1``.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``int64``, shape ``(n,)``, values in ``[0, npartitions)``, as
+            :func:`mpshuffle.table.hashing.partition_ids`.
+
+        Raises
+        ------
+        KeyError
+            If a key column is missing.
+        """
+
+    @abstractmethod
+    def split(self, frame: Any, on: Sequence[Any], npartitions: int) -> dict[int, PackedData]:
+        """Split ``frame`` by hash of ``on`` into packed pieces.
+
+        Returns
+        -------
+        dict
+            ``{partition_id: PackedData}`` of the non-empty pieces only; the
+            rows of each piece keep their original relative order.
+        """
+
+    @abstractmethod
+    def unpack(self, pieces: Sequence[PackedData], meta: Any) -> Any:
+        """Concatenate pieces, in the given order, into one frame shaped like ``meta``.
+
+        Parameters
+        ----------
+        pieces
+            Pieces from :meth:`split` (of any input partitions).
+        meta
+            Empty frame whose columns and dtypes the result must have.
+
+        Returns
+        -------
+        frame
+            ``[]`` gives :meth:`empty_like` of ``meta``.
+
+        Raises
+        ------
+        mpshuffle.errors.ShuffleError
+            If the data lacks a column of ``meta``, has a column ``meta``
+            lacks, or a column cannot be cast to ``meta``'s dtype losslessly.
+        """
+
+    @abstractmethod
+    def empty_like(self, meta: Any) -> Any:
+        """Return a frame with 0 rows and ``meta``'s columns and dtypes."""
+
+
+class AdapterRegistry:
+    """Ordered set of adapters; the most recently registered match wins.
+
+    The built-in pandas and pyarrow adapters are added on first lookup, so that
+    importing this module imports neither library.
+    """
+
+    _adapters: list[FrameAdapter]
+    _defaults_loaded: bool
+
+    def __init__(self) -> None:
+        self._adapters = []
+        self._defaults_loaded = False
+
+    def register(self, adapter: FrameAdapter) -> None:
+        """Add ``adapter``; it takes precedence over those registered before.
+
+        Raises
+        ------
+        TypeError
+            If ``adapter`` is not a :class:`FrameAdapter`.
+        """
+        if not isinstance(adapter, FrameAdapter):
+            raise TypeError(f"expected a FrameAdapter, got {type(adapter).__name__}")
+        self._adapters.append(adapter)
+
+    def lookup(self, obj: object) -> FrameAdapter:
+        """Return the adapter for ``obj``.
+
+        Raises
+        ------
+        TypeError
+            Naming ``obj``'s type and the registered adapters if none matches.
+        """
+        self._load_defaults()
+        for adapter in reversed(self._adapters):
+            if adapter.matches(obj):
+                return adapter
+        cls = type(obj)
+        known = ", ".join(a.name for a in self._adapters)
+        raise TypeError(
+            f"no mpshuffle frame adapter for {cls.__module__}.{cls.__qualname__}; "
+            f"registered adapters: {known}. Register one with register_adapter()."
+        )
+
+    def _load_defaults(self) -> None:
+        if self._defaults_loaded:
+            return
+        self._defaults_loaded = True
+        from mpshuffle.table.arrow import ArrowAdapter
+        from mpshuffle.table.pandas import PandasAdapter
+
+        # Defaults go first so that user registrations override them.
+        self._adapters[:0] = [ArrowAdapter(), PandasAdapter()]
+
+
+_REGISTRY = AdapterRegistry()
+
+
+def get_adapter(frame_or_meta: object) -> FrameAdapter:
+    """Return the registered adapter for a frame or meta.
+
+    Parameters
+    ----------
+    frame_or_meta
+        A frame (e.g. ``pandas.DataFrame``, ``pyarrow.Table``) or its meta.
+
+    Returns
+    -------
+    FrameAdapter
+
+    Raises
+    ------
+    TypeError
+        If no adapter handles the object's type (the message names the type).
+    """
+    return _REGISTRY.lookup(frame_or_meta)
+
+
+def register_adapter(adapter: FrameAdapter) -> None:
+    """Register an adapter for another kind of frame (it overrides earlier ones).
+
+    Parameters
+    ----------
+    adapter
+        The adapter instance.
+
+    Raises
+    ------
+    TypeError
+        If ``adapter`` is not a :class:`FrameAdapter`.
+    """
+    _REGISTRY.register(adapter)

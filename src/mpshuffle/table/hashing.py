@@ -1,0 +1,189 @@
+"""Hash partitioning: which output partition, and which rank, each row goes to.
+
+The hash
+--------
+1. Each key column is canonicalized, then hashed to ``uint64`` per row:
+
+   - integers of every width and signedness (numpy, pandas nullable
+     ``Int*``/``UInt*``, Arrow) and ``bool`` (as 0/1): the value as ``int64``
+     (``uint64`` values above ``2**63`` wrap), hashed by
+     :func:`pandas.util.hash_array` (a splitmix64-style bit mixer on the 8 bytes);
+   - floats of every width: the value as ``float64`` with ``-0.0`` turned into
+     ``0.0``, its 8 bytes hashed as above. Floats hash by their bits, so the
+     float ``1.0`` and the integer ``1`` do *not* agree: cast keys to one dtype
+     before co-partitioning integer and float columns;
+   - datetimes, dates, times and timedeltas: ``int64`` nanoseconds (since the
+     epoch, UTC, for datetimes; naive datetimes are taken as UTC), hashed as
+     integers, so tz-aware values hash by instant and every unit agrees;
+   - strings, bytes, ``object``: :func:`pandas.util.hash_array`'s SipHash-2-4 with
+     the key ``"0123456789123456"`` of the UTF-8 bytes (``object`` arrays with any
+     non-string value hash ``str(value)``); a ``category`` / Arrow dictionary
+     column hashes like its values, so ``category`` and ``str`` of the same text
+     agree;
+   - every missing value (``None``, ``NaN``, ``pd.NA``, ``NaT``, Arrow null) of
+     any type: the fixed :data:`NULL_HASH` ``0x9E3779B97F4A7C15``. So all null
+     keys land in one partition.
+
+2. Key columns ``h_0 .. h_{k-1}`` are combined, in the order given, in ``uint64``
+   arithmetic (mod ``2**64``)::
+
+       acc = h_0
+       acc = (acc * 0x9E3779B97F4A7C15) ^ h_i      for i = 1 .. k-1
+
+   Multiplying by an odd constant is a bijection of ``uint64``, so the order of
+   the key columns matters and no column's entropy is lost (the constant is
+   Knuth's multiplicative-hashing golden ratio, TAOCP vol. 3, 6.4).
+
+3. The partition id is ``acc % npartitions`` computed in ``uint64`` and cast to
+   ``int64``; it never wraps for any ``npartitions`` below ``2**63``.
+
+Nothing uses Python's ``hash()`` (salted per process), so ids are equal across
+processes, runs and machines with the same pandas hashing (stable since pandas
+0.20).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from mpshuffle.table._canonical import NULL_HASH, hash_arrow_column, hash_pandas_column
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+__all__ = ["NULL_HASH", "combine_hashes", "ids_from_hashes", "partition_ids", "partition_owner"]
+
+#: Odd multiplier of the column-combining step (see the module docstring).
+COMBINE_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+
+
+def combine_hashes(hashes: Sequence[npt.NDArray[np.uint64]]) -> npt.NDArray[np.uint64]:
+    """Combine per-column hashes into one ``uint64`` hash per row.
+
+    Parameters
+    ----------
+    hashes
+        One ``uint64`` array of shape ``(n,)`` per key column, in key order.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``uint64``, shape ``(n,)``: ``acc = h_0; acc = acc * M ^ h_i`` (mod
+        ``2**64``) with ``M = 0x9E3779B97F4A7C15``.
+
+    Raises
+    ------
+    ValueError
+        If ``hashes`` is empty.
+    """
+    if not hashes:
+        raise ValueError("at least one key column is needed to hash-partition")
+    acc = np.array(hashes[0], dtype=np.uint64, copy=True)
+    for h in hashes[1:]:
+        np.multiply(acc, COMBINE_MULTIPLIER, out=acc)
+        np.bitwise_xor(acc, h, out=acc)
+    return acc
+
+
+def ids_from_hashes(hashes: npt.NDArray[np.uint64], npartitions: int) -> npt.NDArray[np.int64]:
+    """Map combined row hashes to partition ids.
+
+    Parameters
+    ----------
+    hashes
+        ``uint64``, shape ``(n,)``.
+    npartitions
+        Number of output partitions, ``1 <= npartitions < 2**63``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64``, shape ``(n,)``, values in ``[0, npartitions)``.
+
+    Raises
+    ------
+    ValueError
+        If ``npartitions`` is out of range.
+    """
+    npartitions = _check_npartitions(npartitions)
+    return (hashes % np.uint64(npartitions)).astype(np.int64)
+
+
+def _check_npartitions(npartitions: int) -> int:
+    n = int(npartitions)
+    if n != npartitions or not 1 <= n < 2**63:
+        raise ValueError(f"npartitions must be an integer in [1, 2**63), got {npartitions!r}")
+    return n
+
+
+def partition_ids(keys: Any, npartitions: int) -> npt.NDArray[np.int64]:
+    """Compute the output partition id of every row from its key columns.
+
+    Parameters
+    ----------
+    keys
+        The key columns, shape ``(n, k)`` with ``k >= 1``: a ``pandas.DataFrame``
+        or a ``pyarrow.Table``. All its columns are keys, in order.
+    npartitions
+        Number of output partitions, ``1 <= npartitions < 2**63``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64``, shape ``(n,)``, values in ``[0, npartitions)``; see the module
+        docstring for the hash. Equal keys get equal ids whatever the frame
+        type, dtype width, process or run.
+
+    Raises
+    ------
+    ValueError
+        If ``keys`` has no columns or ``npartitions`` is out of range.
+    TypeError
+        If ``keys`` is neither a pandas DataFrame nor a pyarrow Table.
+    """
+    _check_npartitions(npartitions)
+    if isinstance(keys, pd.DataFrame):
+        hashes = [hash_pandas_column(keys.iloc[:, i]) for i in range(keys.shape[1])]
+    elif isinstance(keys, pa.Table):
+        hashes = [hash_arrow_column(col) for col in keys.columns]
+    else:
+        raise TypeError(
+            f"partition_ids needs a pandas.DataFrame or pyarrow.Table, got {type(keys).__name__}"
+        )
+    return ids_from_hashes(combine_hashes(hashes), npartitions)
+
+
+def partition_owner(partition_id: int, nranks: int) -> int:
+    """Return the rank that owns an output partition: ``partition_id % nranks``.
+
+    Round-robin, so consecutive partitions go to consecutive ranks and every
+    rank owns ``npartitions // nranks`` or one more. A pure function: every
+    rank computes the same owner without communicating.
+
+    Parameters
+    ----------
+    partition_id
+        Output partition id, ``>= 0``.
+    nranks
+        Number of ranks of the communicator, ``>= 1``.
+
+    Returns
+    -------
+    int
+        Rank in ``[0, nranks)``.
+
+    Raises
+    ------
+    ValueError
+        If ``partition_id < 0`` or ``nranks < 1``.
+    """
+    if nranks < 1:
+        raise ValueError(f"nranks must be >= 1, got {nranks}")
+    if partition_id < 0:
+        raise ValueError(f"partition_id must be >= 0, got {partition_id}")
+    return int(partition_id) % int(nranks)

@@ -1,0 +1,211 @@
+"""Frame adapter for ``pandas.DataFrame``.
+
+Packing
+-------
+A frame is converted to a ``pyarrow.Table`` once (``Table.from_pandas``),
+gathered once by partition (``take``) and each partition's zero-copy slice is
+written as an Arrow IPC stream, so pandas dtypes round-trip through the
+pandas metadata Arrow keeps in the schema: ``category`` (with categories),
+nullable ``Int64``/``boolean``, tz-aware datetimes, the ``str`` dtype.
+
+Frames Arrow cannot convert (an ``object`` column mixing dicts and numbers,
+say) fall back, losslessly, to pickle protocol 5 of the gathered pandas
+slices; the header flags the format, and :meth:`PandasAdapter.unpack` reads any
+mix of the two.
+
+Column names may be strings or integers (or any JSON scalar): Arrow field names
+are ``str(name)``, and the original names travel in the header. Names must be
+unique, also after ``str``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pandas as pd
+import pyarrow as pa
+
+from mpshuffle.errors import ShuffleError
+from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids, split_table
+from mpshuffle.table._reconcile import check_columns, reconcile
+from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.hashing import partition_ids
+from mpshuffle.table.packed import PackedData
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+__all__ = ["PandasAdapter"]
+
+# Conversions Arrow refuses: mixed-type object columns, unsupported objects.
+_ARROW_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)
+_JSON_SCALARS = (str, int, float, bool)
+
+
+class PandasAdapter(FrameAdapter):
+    """Adapter for ``pandas.DataFrame``.
+
+    Parameters
+    ----------
+    index
+        Keep the index through the shuffle (as Arrow columns). ``False``
+        (default) drops it like ``ignore_index=True``: the output gets a fresh
+        ``RangeIndex``.
+    """
+
+    name: ClassVar[str] = "pandas"
+    index: bool
+
+    def __init__(self, index: bool = False) -> None:
+        self.index = bool(index)
+
+    def matches(self, obj: object) -> bool:
+        """Return whether ``obj`` is a ``pandas.DataFrame``."""
+        return isinstance(obj, pd.DataFrame)
+
+    def column_names(self, frame: pd.DataFrame) -> list[Any]:
+        """Return ``list(frame.columns)``."""
+        return list(frame.columns)
+
+    def num_rows(self, frame: pd.DataFrame) -> int:
+        """Return the number of rows."""
+        return len(frame)
+
+    def nbytes(self, frame: pd.DataFrame) -> int:
+        """Return ``frame.memory_usage(deep=True).sum()`` in bytes (index included)."""
+        return int(frame.memory_usage(deep=True, index=True).sum())
+
+    def partition_ids(
+        self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int
+    ) -> npt.NDArray[np.int64]:
+        """Return each row's output partition id; see :mod:`mpshuffle.table.hashing`.
+
+        Raises
+        ------
+        KeyError
+            If a column of ``on`` is missing.
+        """
+        missing = [c for c in on if c not in frame.columns]
+        if missing:
+            raise KeyError(f"key column(s) {missing!r} not in frame columns {list(frame.columns)!r}")
+        return partition_ids(frame[list(on)], npartitions)
+
+    def split(
+        self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int
+    ) -> dict[int, PackedData]:
+        """Split by hash of ``on`` into packed pieces (see the module docstring).
+
+        Returns
+        -------
+        dict
+            ``{partition_id: PackedData}`` of non-empty pieces, rows in their
+            original order.
+
+        Raises
+        ------
+        KeyError
+            If a key column is missing.
+        ShuffleError
+            If column names are not unique (also after ``str``) or not JSON
+            scalars while some are not strings.
+        """
+        ids = self.partition_ids(frame, on, npartitions)
+        names = self._names(frame)
+        try:
+            table = pa.Table.from_pandas(frame, preserve_index=self.index)
+        except _ARROW_CONVERSION_ERRORS:
+            return self._split_pickle(frame, ids)
+        return split_table(table, ids, Header(ARROW, names).encode())
+
+    def _names(self, frame: pd.DataFrame) -> tuple[Any, ...] | None:
+        columns = list(frame.columns)
+        if len({str(c) for c in columns}) != len(columns):
+            raise ShuffleError(f"column names must be unique (also as strings), got {columns!r}")
+        if all(isinstance(c, str) for c in columns):
+            return None
+        bad = [c for c in columns if not isinstance(c, _JSON_SCALARS)]
+        if bad:
+            raise ShuffleError(
+                f"column names must be strings or integers; got {bad!r} in frame columns"
+            )
+        # numpy integers become Python ints so that json can write them.
+        return tuple(c.item() if hasattr(c, "item") else c for c in columns)
+
+    def _split_pickle(self, frame: pd.DataFrame, ids: npt.NDArray[np.int64]) -> dict[int, PackedData]:
+        order, runs = split_by_ids(ids)
+        if order is not None:
+            frame = frame.take(order)
+        if not self.index:
+            frame = frame.reset_index(drop=True)
+        header = Header(PICKLE).encode()
+        return {
+            pid: PackedData(
+                header, pickle.dumps(frame.iloc[start:stop], protocol=5), stop - start
+            )
+            for pid, start, stop in runs
+        }
+
+    def unpack(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
+        """Concatenate pieces in the given order into a frame with ``meta``'s dtypes.
+
+        Arrow pieces are concatenated as Arrow (``promote_options="default"``,
+        so Arrow ``null`` columns of all-None pieces promote) and converted
+        once; then every column is cast toward ``meta``'s dtype when lossless.
+
+        Raises
+        ------
+        ShuffleError
+            If a piece lacks a column of ``meta`` (or has one ``meta`` lacks),
+            or a column cannot be cast to ``meta``'s dtype without loss; the
+            message names the column (and both dtypes).
+        """
+        if not pieces:
+            return self.empty_like(meta)
+        headers = [Header.decode(p.metadata) for p in pieces]
+        if all(h.fmt == ARROW for h in headers):
+            tables = [read_ipc(p.data) for p in pieces]
+            for table, header in zip(tables, headers, strict=True):
+                check_columns(self._restored(table.column_names, header), meta)
+            try:
+                frame = self._to_pandas(pa.concat_tables(tables, promote_options="default"), headers[0])
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                # Types Arrow cannot unify: let pandas concatenate (to object)
+                # and reconcile name the column that does not fit the meta.
+                frame = self._concat_frames(pieces, headers, meta)
+        else:
+            frame = self._concat_frames(pieces, headers, meta)
+        return reconcile(frame, meta)
+
+    def _concat_frames(
+        self, pieces: Sequence[PackedData], headers: list[Header], meta: pd.DataFrame
+    ) -> pd.DataFrame:
+        frames = []
+        for piece, header in zip(pieces, headers, strict=True):
+            if header.fmt == PICKLE:
+                part = pickle.loads(piece.data)
+            else:
+                part = self._to_pandas(read_ipc(piece.data), header)
+            check_columns(list(part.columns), meta)
+            frames.append(part)
+        return pd.concat(frames, ignore_index=not self.index)
+
+    def _restored(self, field_names: list[str], header: Header) -> list[Any]:
+        if header.names is None:
+            return field_names
+        # The index (when kept) adds fields after the columns; names cover columns only.
+        by_str = {str(n): n for n in header.names}
+        return [by_str.get(f, f) for f in field_names]
+
+    def _to_pandas(self, table: pa.Table, header: Header) -> pd.DataFrame:
+        frame = table.to_pandas()
+        if header.names is not None:
+            frame.columns = self._restored([str(c) for c in frame.columns], header)
+        return frame
+
+    def empty_like(self, meta: pd.DataFrame) -> pd.DataFrame:
+        """Return ``meta`` with 0 rows (and a fresh ``RangeIndex`` unless ``index``)."""
+        empty = meta.iloc[:0]
+        return empty if self.index else empty.reset_index(drop=True)
