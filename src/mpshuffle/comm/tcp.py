@@ -1,0 +1,307 @@
+"""The ``tcp`` communicator, built on :mod:`distributed.comm`.
+
+Each rank listens on its own port (``tcp://`` or ``tls://``, like the Dask
+cluster it runs in, with the cluster's credentials) and runs its sockets on
+its own *progress thread* with its own event loop, never on the Dask worker's
+event loop. A message to a peer goes over one outgoing connection per peer;
+frames are passed to :mod:`distributed.comm` as ``Serialized`` sub-frames so
+that buffers are written without copies.
+
+Every connection starts with a *hello* carrying the generation id, a secret
+token handed out with the bootstrap, and the sender's rank and listening
+address. A connection whose hello does not match (a process that is not a
+rank of this generation, garbage on the port) is logged and closed; the
+ranks' own connections are not disturbed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from typing import Any
+
+import distributed.comm
+from distributed.comm.core import CommClosedError
+from distributed.protocol.serialize import Serialized
+
+from mpshuffle.comm.base import Communicator, Frames, Tag
+from mpshuffle.errors import CommError, CommTimeoutError
+
+__all__ = ["TcpCommunicator"]
+
+logger = logging.getLogger(__name__)
+
+# Wait for the socket to drain after writing messages at least this large, so
+# that a sender cannot queue unbounded data in the transport's buffer.
+_DRAIN_BYTES = 1 << 20
+
+
+class TcpCommunicator(Communicator):
+    """A rank of a communicator over :mod:`distributed.comm` (TCP or TLS).
+
+    Create with :meth:`start`, then join the others with :meth:`rendezvous`.
+
+    Parameters
+    ----------
+    rank, nranks
+        This rank and the number of ranks.
+    generation
+        Id of the generation; peers presenting another id are refused.
+    token
+        Shared secret of the generation; peers presenting another are refused.
+    security
+        A :class:`distributed.security.Security` (the cluster's), or ``None``.
+    """
+
+    generation: str
+    _token: str
+    _listener: Any
+    _out: dict[int, Any]
+    _inbound: dict[int, Any]
+    _connect_locks: dict[int, asyncio.Lock]
+    _write_locks: dict[int, asyncio.Lock]
+    _departed: set[int]
+
+    def __init__(self, rank: int, nranks: int, *, generation: str, token: str, security: Any = None) -> None:
+        super().__init__(rank, nranks)
+        self.generation = generation
+        self._token = token
+        self._security = security
+        self._listener = None
+        self._out = {}
+        self._inbound = {}
+        self._connect_locks = {}
+        self._write_locks = {}
+        self._departed = set()
+        self._closing = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"mpshuffle-progress-{generation}-r{rank}", daemon=True
+        )
+        self._thread.start()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @classmethod
+    async def start(
+        cls,
+        rank: int,
+        nranks: int,
+        *,
+        generation: str,
+        token: str,
+        listen_address: str = "tcp://127.0.0.1:0",
+        security: Any = None,
+    ) -> TcpCommunicator:
+        """Create a rank and start listening (coroutine; does not block the caller's loop).
+
+        Parameters
+        ----------
+        listen_address
+            Where to listen, e.g. ``"tcp://10.0.0.5:0"`` or ``"tls://host:0"``
+            (port 0 picks a free one).
+
+        Returns
+        -------
+        TcpCommunicator
+            The rank, with ``addresses[rank]`` set to its contact address.
+        """
+        self = cls(rank, nranks, generation=generation, token=token, security=security)
+        try:
+            await self._run(self._listen(listen_address))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    async def _listen(self, address: str) -> None:
+        kwargs = self._security.get_listen_args("worker") if self._security else {}
+        self._listener = await distributed.comm.listen(
+            address, self._handle_comm, deserialize=False, **kwargs
+        )
+        await self._listener.start()
+        self.addresses[self.rank] = self._listener.contact_address
+
+    # -- bootstrap -------------------------------------------------------
+    async def rendezvous(self, root_address: str | None, timeout: float) -> None:
+        """Learn every rank's address through the root, then meet at a barrier (coroutine).
+
+        Rank 0 waits for a hello from every other rank and sends each the full
+        address table; the others connect to ``root_address``.
+
+        Raises
+        ------
+        CommTimeoutError
+            If some rank did not arrive within ``timeout``; names those ranks.
+        """
+        await self._run(self._rendezvous(root_address, timeout))
+
+    async def _rendezvous(self, root_address: str | None, timeout: float) -> None:
+        table = ("__addresses__",)
+        if self.rank == 0:
+            waits = {r: asyncio.ensure_future(self._recv(r, ("__hello__",), timeout)) for r in range(1, self.nranks)}
+            if waits:
+                await asyncio.wait(waits.values(), timeout=timeout)
+            missing = tuple(r for r, t in waits.items() if not t.done() or t.exception() is not None)
+            for t in waits.values():
+                t.cancel()
+            if missing:
+                raise CommTimeoutError(
+                    f"bootstrap of generation {self.generation}: rank(s) "
+                    f"{', '.join(map(str, missing))} did not reach the root "
+                    f"({self.addresses[0]}) within {timeout:g} s",
+                    missing,
+                )
+            payload = [json.dumps(self.addresses).encode()]
+            await asyncio.gather(*(self._send_checked(r, table, payload) for r in range(1, self.nranks)))
+        else:
+            if not root_address:
+                raise CommError("rendezvous of a non-root rank needs the root's address")
+            self.addresses[0] = root_address
+            await self._connection(0, timeout)
+            frames = await self._recv(0, table, timeout)
+            addresses = json.loads(bytes(frames[0]))
+            mine = self.addresses[self.rank]
+            self.addresses = list(addresses)
+            self.addresses[self.rank] = mine
+        await self._barrier(("bootstrap", self.generation), timeout)
+
+    # -- connections -----------------------------------------------------
+    async def _connection(self, dest: int, timeout: float = 30) -> Any:
+        comm = self._out.get(dest)
+        if comm is not None and not comm.closed():
+            return comm
+        lock = self._connect_locks.setdefault(dest, asyncio.Lock())
+        async with lock:
+            comm = self._out.get(dest)
+            if comm is not None and not comm.closed():
+                return comm
+            address = self.addresses[dest]
+            if not address:
+                raise CommError(f"rank {self.rank} does not know the address of rank {dest}")
+            kwargs = self._security.get_connection_args("worker") if self._security else {}
+            try:
+                comm = await distributed.comm.connect(address, timeout=timeout, deserialize=False, **kwargs)
+                await comm.write(
+                    {
+                        "op": "mpshuffle-hello",
+                        "generation": self.generation,
+                        "token": self._token,
+                        "rank": self.rank,
+                        "address": self.addresses[self.rank],
+                    }
+                )
+            except (OSError, CommClosedError) as e:
+                raise CommError(f"rank {self.rank} could not connect to rank {dest} ({address}): {e}") from e
+            self._out[dest] = comm
+            return comm
+
+    async def _handle_comm(self, comm: Any) -> None:
+        peer = comm.peer_address
+        try:
+            hello = await asyncio.wait_for(comm.read(), 30)
+        except Exception as e:  # garbage, a closed socket, a slow stranger
+            logger.warning("mpshuffle: refused connection from %s: no valid hello (%s)", peer, e)
+            comm.abort()
+            return
+        src = self._check_hello(hello)
+        if src is None:
+            logger.warning("mpshuffle: refused connection from %s: not a rank of generation %s", peer, self.generation)
+            comm.abort()
+            return
+        self._inbound[src] = comm
+        if hello.get("address"):
+            if not self.addresses[src]:
+                self.addresses[src] = hello["address"]
+            self._deliver(src, ("__hello__",), [hello["address"]])
+        try:
+            while True:
+                msg = await comm.read()
+                tag = tuple(msg["tag"])
+                if tag == ("__bye__",):
+                    self._departed.add(src)
+                    continue
+                payload = msg.get("frames")
+                frames = list(payload.frames) if isinstance(payload, Serialized) else []
+                self.bytes_received += sum(memoryview(f).nbytes for f in frames)
+                self._deliver(src, tag, frames)
+        except (CommClosedError, OSError) as e:
+            if not self._closing and src not in self._departed:
+                self._peer_lost(src, f"connection from {peer} closed ({e})")
+        except Exception:
+            logger.exception("mpshuffle: connection from rank %d (%s) failed", src, peer)
+            if not self._closing:
+                self._peer_lost(src, f"connection from {peer} failed")
+        finally:
+            comm.abort()
+
+    def _check_hello(self, hello: Any) -> int | None:
+        if not isinstance(hello, dict) or hello.get("op") != "mpshuffle-hello":
+            return None
+        if hello.get("generation") != self.generation:
+            return None
+        token = hello.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
+            return None
+        rank = hello.get("rank")
+        if not isinstance(rank, int) or not 0 <= rank < self.nranks or rank == self.rank:
+            return None
+        return rank
+
+    async def _send(self, dest: int, tag: Tag, frames: Frames) -> None:
+        comm = await self._connection(dest)
+        lock = self._write_locks.setdefault(dest, asyncio.Lock())
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        async with lock:
+            try:
+                await comm.write({"tag": list(tag), "frames": Serialized({}, frames)})
+                stream = getattr(comm, "stream", None)
+                if nbytes >= _DRAIN_BYTES and stream is not None:
+                    # Tornado resolves an empty write once everything before it is on the wire.
+                    await stream.write(b"")
+            except (CommClosedError, OSError) as e:
+                self._out.pop(dest, None)
+                self._peer_lost(dest, f"sending to {self.addresses[dest]} failed ({e})")
+                raise CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e}") from e
+        self.bytes_sent += nbytes
+
+    # -- shutdown --------------------------------------------------------
+    async def _aclose(self) -> None:
+        self._closing = True
+        for dest, comm in list(self._out.items()):
+            try:
+                if not comm.closed():
+                    await asyncio.wait_for(comm.write({"tag": ["__bye__"]}), 2)
+                    await comm.close()
+            except Exception:
+                comm.abort()
+        self._out.clear()
+        if self._listener is not None:
+            self._listener.stop()
+        for comm in list(self._inbound.values()):
+            comm.abort()
+        self._inbound.clear()
+
+    def close(self) -> None:
+        """Say goodbye to the peers, close every socket and stop the progress thread.
+
+        Idempotent; safe to call from any thread other than the progress thread.
+        """
+        if self._loop.is_closed():
+            return
+        if threading.current_thread() is not self._thread:
+            try:
+                asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(10)
+            except Exception:
+                logger.debug("mpshuffle: error while closing communicator", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._loop.close()
