@@ -1,0 +1,352 @@
+"""The shuffler: one rank's share of one shuffle run.
+
+A :class:`Shuffler` exists on every rank for each running shuffle (its
+``op_id``). Insert tasks hand it the pieces of their input partition, already
+split by output partition and packed (:class:`~mpshuffle.table.PackedData`);
+it batches them per destination rank (the owner of each output partition,
+:func:`~mpshuffle.table.partition_owner`) and sends each batch as one
+*chunk*. Chunks that arrive go to the rank's *postbox*.
+
+Completion is decided by *finish counting*: when all inserts are done (the
+barrier task calls :meth:`Shuffler.insert_finished` on every rank through a
+control message), each rank tells each peer how many chunks it sent to it.
+A rank's output partitions are complete once every rank has reported and
+that many chunks from each have arrived; :meth:`Shuffler.extract` waits for
+that, then returns the partition's pieces ordered by input partition and
+position, so output rows come in a deterministic order.
+
+Message tags: ``("mps", op_id, kind)`` with kind ``"chunk"``, ``"finish"``,
+``"inputs-done"`` or ``"inputs-done-ack"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from mpshuffle.errors import CommError, ShuffleError
+from mpshuffle.memory import BufferResource, Postbox
+from mpshuffle.table import PackedData, partition_owner
+
+if TYPE_CHECKING:
+    from mpshuffle.comm import Communicator, Frames, Tag
+
+__all__ = ["TAG", "Shuffler", "Statistics"]
+
+logger = logging.getLogger(__name__)
+
+TAG = "mps"
+
+
+class Statistics(dict):  # type: ignore[type-arg]
+    """Counters of one shuffle run on one rank (a plain ``dict`` of numbers).
+
+    Keys: ``bytes_inserted``, ``bytes_sent`` (to other ranks),
+    ``bytes_received`` (from other ranks and itself), ``bytes_spilled``,
+    ``bytes_unspilled``, ``chunks_sent``, ``chunks_received``,
+    ``seconds_insert``, ``seconds_wait``, ``seconds_extract``; bytes are
+    packed sizes, seconds wall time summed over calls.
+    """
+
+
+class Shuffler:
+    """One rank's state of one shuffle run.
+
+    Parameters
+    ----------
+    comm
+        The generation's communicator.
+    op_id
+        Id of the run, unique within the generation.
+    resource
+        Where every buffer the shuffler holds is accounted (and spilled).
+    batch_bytes
+        Pieces for one destination are sent together up to about this many bytes.
+    on_done
+        Called once with ``op_id`` after this rank's last output partition was
+        extracted, or when the run is closed.
+    """
+
+    op_id: int
+    npartitions: int | None
+    statistics: Statistics
+
+    def __init__(
+        self,
+        comm: Communicator,
+        op_id: int,
+        *,
+        resource: BufferResource,
+        batch_bytes: int = 4 * 2**20,
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.comm = comm
+        self.op_id = op_id
+        self.npartitions = None
+        self.statistics = Statistics(
+            bytes_inserted=0, bytes_sent=0, bytes_received=0, bytes_spilled=0,
+            bytes_unspilled=0, chunks_sent=0, chunks_received=0,
+            seconds_insert=0.0, seconds_wait=0.0, seconds_extract=0.0,
+        )
+        self._batch_bytes = batch_bytes
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._complete = threading.Event()
+        self._sent = [0] * comm.nranks
+        self._received = [0] * comm.nranks
+        self._expected: list[int | None] = [None] * comm.nranks
+        self._inputs_done = False
+        self._seq = 0
+        self._error: BaseException | None = None
+        self._owned: set[int] = set()
+        self._extracted: set[int] = set()
+        self._closed = False
+        self.postbox = Postbox(resource, name=f"op{op_id}-r{comm.rank}")
+        self._acks: set[int] = set()
+        self._acks_event = threading.Event()
+
+    # -- insert ----------------------------------------------------------
+    def insert(self, input_index: int, pieces: Mapping[int, PackedData], timeout: float) -> None:
+        """Send the pieces of one input partition to their owners.
+
+        Parameters
+        ----------
+        input_index
+            Index of the input partition (orders rows in the output).
+        pieces
+            Output partition id -> packed piece of that partition.
+        timeout
+            Seconds a send may take.
+
+        Raises
+        ------
+        ShuffleError
+            If a destination rank is lost or the run failed.
+        """
+        self._raise_if_failed()
+        if self._inputs_done:
+            raise ShuffleError(f"insert after insert_finished in shuffle op {self.op_id}")
+        t0 = time.perf_counter()
+        nranks = self.comm.nranks
+        batches: dict[int, list[tuple[int, PackedData]]] = {}
+        sizes: dict[int, int] = {}
+        futures = []
+        for pid, packed in pieces.items():
+            dest = partition_owner(pid, nranks)
+            batches.setdefault(dest, []).append((pid, packed))
+            sizes[dest] = sizes.get(dest, 0) + packed.nbytes
+            self.statistics["bytes_inserted"] += packed.nbytes
+            if sizes[dest] >= self._batch_bytes:
+                futures.append(self._send_chunk(dest, input_index, batches.pop(dest)))
+                sizes[dest] = 0
+        for dest, batch in batches.items():
+            futures.append(self._send_chunk(dest, input_index, batch))
+        try:
+            for fut in futures:
+                fut.result(timeout)
+        except CommError as e:
+            raise ShuffleError(f"sending a chunk of shuffle op {self.op_id} failed: {e}") from e
+        self.statistics["seconds_insert"] += time.perf_counter() - t0
+
+    def _send_chunk(self, dest: int, input_index: int, batch: list[tuple[int, PackedData]]) -> Any:
+        header: list[Any] = []
+        frames: list[Any] = [b""]
+        nbytes = 0
+        for pid, packed in batch:
+            header.append((pid, input_index, self._seq, packed.nrows))
+            self._seq += 1
+            frames.extend(packed.to_frames())
+            nbytes += packed.nbytes
+        frames[0] = msgpack.packb(header)
+        with self._lock:
+            self._sent[dest] += 1
+        self.statistics["chunks_sent"] += 1
+        if dest != self.comm.rank:
+            self.statistics["bytes_sent"] += nbytes
+        return self.comm.send_nowait(dest, (TAG, self.op_id, "chunk"), frames)
+
+    # -- receive (progress thread) ---------------------------------------
+    def receive(self, src: int, tag: Tag, frames: Frames) -> None:
+        """Handle one message of this run (called on the progress thread)."""
+        kind = tag[2]
+        if kind == "chunk":
+            header = msgpack.unpackb(frames[0])
+            per_piece = (len(frames) - 1) // max(len(header), 1)
+            nbytes = 0
+            for k, (pid, input_index, seq, _nrows) in enumerate(header):
+                piece = PackedData.from_frames(frames[1 + k * per_piece : 1 + (k + 1) * per_piece])
+                try:
+                    self.postbox.add(pid, (input_index, src, seq), piece)
+                except Exception as e:  # a failed spill fails the run, loudly
+                    self.fail(e)
+                nbytes += piece.nbytes
+            with self._lock:
+                self._received[src] += 1
+                self.statistics["chunks_received"] += 1
+                self.statistics["bytes_received"] += nbytes
+            self._check_complete()
+        elif kind == "finish":
+            with self._lock:
+                self._expected[src] = int(bytes(frames[0]))
+            self._check_complete()
+        elif kind == "inputs-done":
+            info = msgpack.unpackb(frames[0])
+            self.insert_finished(info["npartitions"], reply_to=src)
+        elif kind == "inputs-done-ack":
+            with self._lock:
+                self._acks.add(src)
+                if len(self._acks) == self.comm.nranks:
+                    self._acks_event.set()
+
+    def _check_complete(self) -> None:
+        with self._lock:
+            if all(e is not None for e in self._expected) and self._received == self._expected:
+                self._complete.set()
+
+    # -- barrier ---------------------------------------------------------
+    def insert_finished(self, npartitions: int, reply_to: int | None = None) -> None:
+        """Mark this rank's inserts done: tell every peer how many chunks it got.
+
+        Called on every rank by the barrier (through an ``"inputs-done"``
+        control message); ``npartitions`` is the number of output partitions.
+        """
+        with self._lock:
+            if self._inputs_done:
+                first = False
+            else:
+                first = True
+                self._inputs_done = True
+                self.npartitions = npartitions
+                rank, nranks = self.comm.rank, self.comm.nranks
+                self._owned = {p for p in range(rank, npartitions, nranks)}
+                sent = list(self._sent)
+        if first:
+            for dest in range(self.comm.nranks):
+                self.comm.send_nowait(dest, (TAG, self.op_id, "finish"), [str(sent[dest]).encode()])
+            if not self._owned:
+                self._finish()
+        if reply_to is not None:
+            self.comm.send_nowait(reply_to, (TAG, self.op_id, "inputs-done-ack"), [])
+
+    def barrier(self, npartitions: int, timeout: float) -> None:
+        """Run the shuffle's barrier from one rank (the barrier task's).
+
+        Sends ``"inputs-done"`` to every rank and waits until all confirmed.
+
+        Raises
+        ------
+        ShuffleError
+            Naming the ranks that did not confirm within ``timeout`` seconds,
+            or the lost peer.
+        """
+        info = msgpack.packb({"npartitions": npartitions})
+        for dest in range(self.comm.nranks):
+            self.comm.send_nowait(dest, (TAG, self.op_id, "inputs-done"), [info])
+        deadline = time.monotonic() + timeout
+        while not self._acks_event.wait(0.1):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.comm.nranks)) - self._acks)
+                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
+                raise ShuffleError(f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s")
+
+    # -- extract ---------------------------------------------------------
+    def wait(self, timeout: float) -> None:
+        """Block until this rank's output partitions are complete.
+
+        Raises
+        ------
+        ShuffleError
+            If the run failed (e.g. a peer was lost), or after ``timeout``
+            seconds, naming the ranks whose data is still missing.
+        """
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while not self._complete.wait(0.1):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                with self._lock:
+                    missing = [
+                        r for r in range(self.comm.nranks)
+                        if self._expected[r] is None or self._received[r] != self._expected[r]
+                    ]
+                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
+                raise ShuffleError(
+                    f"shuffle op {self.op_id} on rank {self.comm.rank}: data from {who} "
+                    f"did not arrive within {timeout:g} s"
+                )
+        self._raise_if_failed()
+        self.statistics["seconds_wait"] += time.perf_counter() - t0
+
+    def extract(self, partition_id: int, timeout: float) -> list[PackedData]:
+        """Return the pieces of one output partition, ordered by input partition.
+
+        Waits for completeness first (see :meth:`wait`). The partition's
+        buffers leave the postbox; after the rank's last owned partition the
+        run's state is freed.
+
+        Raises
+        ------
+        ShuffleError
+            As :meth:`wait`, or if the partition is not owned by this rank or
+            was already extracted.
+        """
+        self.wait(timeout)
+        t0 = time.perf_counter()
+        with self._lock:
+            if partition_id not in self._owned:
+                raise ShuffleError(
+                    f"output partition {partition_id} of shuffle op {self.op_id} is not owned by "
+                    f"rank {self.comm.rank}"
+                )
+            if partition_id in self._extracted:
+                raise ShuffleError(f"output partition {partition_id} of shuffle op {self.op_id} was already extracted")
+            self._extracted.add(partition_id)
+            last = self._extracted == self._owned
+        pieces = self.postbox.pop(partition_id)
+        self.statistics["bytes_unspilled"] = self.postbox.bytes_unspilled
+        self.statistics["bytes_spilled"] = self.postbox.bytes_spilled
+        self.statistics["seconds_extract"] += time.perf_counter() - t0
+        if last:
+            self._finish()
+        return pieces
+
+    # -- failure and cleanup ---------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Fail the run on this rank: every wait raises ``error`` from now on."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._complete.set()
+        self._acks_event.set()
+
+    def _raise_if_failed(self) -> None:
+        err = self._error
+        if err is not None:
+            if isinstance(err, ShuffleError):
+                raise err
+            raise ShuffleError(f"shuffle op {self.op_id} failed on rank {self.comm.rank}: {err}") from err
+
+    def _finish(self) -> None:
+        self.statistics["bytes_spilled"] = self.postbox.bytes_spilled
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether the run's state on this rank was freed."""
+        return self._closed
+
+    def close(self) -> None:
+        """Free every buffer and spill file of the run on this rank. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.postbox.clear()
+        if self._on_done is not None:
+            self._on_done(self.op_id)
