@@ -1,0 +1,28 @@
+"""mpshuffle: fast, memory-bounded shuffles of dataframe partitions across a Dask cluster.
+
+``import mpshuffle`` stays light; the Dask integration lives in
+:mod:`mpshuffle.dask`.
+"""
+
+from mpshuffle.errors import (
+    BootstrapError,
+    CommError,
+    CommTimeoutError,
+    MPShuffleError,
+    OptionError,
+    ShuffleError,
+    SpillError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BootstrapError",
+    "CommError",
+    "CommTimeoutError",
+    "MPShuffleError",
+    "OptionError",
+    "ShuffleError",
+    "SpillError",
+    "__version__",
+]

@@ -1,0 +1,147 @@
+"""Bootstrapping mpshuffle's communicator across an existing Dask cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from mpshuffle.config import resolve_options
+from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
+from mpshuffle.dask.worker import PLUGIN_NAME, ShuffleWorkerPlugin
+from mpshuffle.errors import MPShuffleError
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from mpshuffle.dask.context import WorkerContext
+
+__all__ = ["Generation", "bootstrap_dask_cluster", "get_worker_context", "register_plugins"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One bootstrapped membership of the cluster.
+
+    Attributes
+    ----------
+    id
+        Generation id (12 hex digits).
+    nranks
+        Number of ranks (= workers).
+    ranks
+        Worker address -> rank; ranks follow the sorted worker addresses.
+    bootstrapped
+        ``True`` if this call bootstrapped it, ``False`` if it was reused.
+    """
+
+    id: str
+    nranks: int
+    ranks: dict[str, int]
+    bootstrapped: bool
+
+
+def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
+    """Bootstrap mpshuffle's communicator on every worker of a Dask cluster.
+
+    One collective round, driven by the scheduler plugin and started with
+    ``client.run_on_scheduler``: no task, no future, nothing in the
+    dashboard's task stream. Workers are ranked by their sorted addresses;
+    rank 0 publishes its address through the scheduler plugin, the others
+    fetch it, connect, and all meet at a barrier, all without blocking any
+    worker's event loop. Shuffles call this for you when they start; call it
+    yourself to choose options or to pay the bootstrap up front.
+
+    Works with synchronous and asynchronous clients in Dask's own way: with
+    ``Client(asynchronous=True)`` it returns an awaitable.
+
+    Parameters
+    ----------
+    client
+        The client; by default :func:`distributed.get_client`.
+    **options
+        Overrides of the ``mpshuffle.*`` options of :mod:`dask.config`
+        (``comm``, ``timeout``, ``bootstrap_timeout``, ``spill_host``,
+        ``spill_dir``, ``spill_device``, ``pool_size``, ``batch_bytes``);
+        see :class:`mpshuffle.config.Options`. Resolved here, on the client.
+
+    Returns
+    -------
+    Generation
+        The generation (id, nranks, worker -> rank). Idempotent: for the same
+        scheduler, workers and options the same generation is returned with
+        ``bootstrapped=False``; a changed worker set or options bootstrap a
+        new one.
+
+    Raises
+    ------
+    OptionError
+        For unknown option names or invalid values.
+    BootstrapError
+        If the cluster has no workers or a worker failed or timed out; the
+        message names the workers and ranks.
+    """
+    if client is None:
+        from distributed import get_client
+
+        client = get_client()
+    opts = resolve_options(**options)
+    if opts.comm != "tcp":
+        raise MPShuffleError(
+            f"comm={opts.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
+            "('local' is for Dask's single-process schedulers)"
+        )
+    return client.sync(_bootstrap, client, dataclasses.asdict(opts))
+
+
+async def _bootstrap(client: Client, options: dict[str, Any]) -> Generation:
+    await _register(client)
+    desc = await client.run_on_scheduler(_ensure_generation, options=options)
+    return Generation(id=desc["id"], nranks=desc["nranks"], ranks=dict(desc["ranks"]), bootstrapped=desc["bootstrapped"])
+
+
+async def _ensure_generation(options: dict[str, Any], dask_scheduler: Any = None) -> dict[str, Any]:
+    plugin: ShuffleSchedulerPlugin = dask_scheduler.plugins[ShuffleSchedulerPlugin.name]
+    return await plugin.ensure_generation(options)
+
+
+async def _register(client: Client) -> None:
+    # Both plugins are idempotent: registering again keeps the running ones.
+    await client.register_plugin(ShuffleSchedulerPlugin(), name=ShuffleSchedulerPlugin.name)
+    await client.register_plugin(ShuffleWorkerPlugin(), name=PLUGIN_NAME)
+
+
+def register_plugins(client: Client) -> Any:
+    """Register mpshuffle's scheduler and worker plugins (idempotent).
+
+    Returns an awaitable for asynchronous clients, ``None`` otherwise.
+    """
+    return client.sync(_register, client)
+
+
+def get_worker_context() -> WorkerContext:
+    """This worker's rank, communicator and shufflers.
+
+    Call on a worker (in a task or ``client.run``).
+
+    Returns
+    -------
+    WorkerContext
+
+    Raises
+    ------
+    ValueError
+        If not called on a Dask worker.
+    MPShuffleError
+        If this worker has not been bootstrapped.
+    """
+    from distributed import get_worker
+
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    ctx = getattr(plugin, "context", None)
+    if ctx is None:
+        raise MPShuffleError(
+            f"worker {worker.address} has no mpshuffle context: call "
+            "mpshuffle.dask.bootstrap_dask_cluster(client) or run a shuffle first"
+        )
+    return ctx

@@ -1,0 +1,235 @@
+"""Per-process shuffle state: the worker context and the single-process runtime."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from mpshuffle.errors import ShuffleError
+from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.shuffler import TAG, Shuffler
+
+if TYPE_CHECKING:
+    from mpshuffle.comm import Communicator, Frames, Tag
+    from mpshuffle.config import Options
+
+__all__ = ["LocalRuntime", "RunInfo", "WorkerContext"]
+
+logger = logging.getLogger(__name__)
+
+# How many finished runs' statistics a context keeps for gather_statistics.
+_HISTORY = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """One execution of a shuffle graph, bound to a generation when it starts.
+
+    Attributes
+    ----------
+    token
+        Token of the shuffle graph (the same for every computation of it).
+    op_id
+        Id of this run, unique within the scheduler (or process).
+    generation
+        Id of the generation the run uses.
+    workers
+        Worker address of every rank of that generation, in rank order.
+    npartitions
+        Number of output partitions.
+    """
+
+    token: str
+    op_id: int
+    generation: str
+    workers: tuple[str, ...]
+    npartitions: int
+
+
+class WorkerContext:
+    """What one rank of a generation holds: its communicator and shufflers.
+
+    Returned on a worker by :func:`mpshuffle.dask.get_worker_context`.
+
+    Attributes
+    ----------
+    rank, nranks
+        This worker's rank and the generation's size.
+    generation
+        Id of the generation.
+    comm
+        The communicator.
+    options
+        The generation's options.
+    resource
+        Budgets and use of the memory types on this worker.
+    shufflers
+        Running shuffles on this rank, by ``op_id``.
+    history
+        Statistics of the last finished runs, as ``(op_id, statistics)``.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        generation: str,
+        options: Options,
+        *,
+        memory_limit: int | None = None,
+        local_directory: str | None = None,
+        workers: tuple[str, ...] = (),
+    ) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.nranks = comm.nranks
+        self.generation = generation
+        self.options = options
+        self.workers = workers
+        self.resource = BufferResource(
+            {MemoryType.HOST: options.host_budget(memory_limit)},
+            spill_dir=options.spill_dir or local_directory,
+        )
+        self.shufflers: dict[int, Shuffler] = {}
+        self.history: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=_HISTORY)
+        self._finished: collections.deque[int] = collections.deque(maxlen=4096)
+        self._failed: dict[int, BaseException] = {}
+        self._lock = threading.RLock()
+        self._closed = False
+        comm.register_handler(TAG, self._on_message)
+        comm.on_peer_lost(self._on_peer_lost)
+
+    def shuffler(self, op_id: int) -> Shuffler:
+        """The shuffler of run ``op_id`` on this rank, created on first use.
+
+        Raises
+        ------
+        ShuffleError
+            If the run already finished or failed on this rank, or the context
+            is closed.
+        """
+        with self._lock:
+            s = self.shufflers.get(op_id)
+            if s is not None:
+                return s
+            if self._closed:
+                raise ShuffleError(f"generation {self.generation} on rank {self.rank} is closed")
+            if op_id in self._failed:
+                err = self._failed[op_id]
+                raise ShuffleError(f"shuffle op {op_id} failed: {err}")
+            if op_id in self._finished:
+                raise ShuffleError(f"shuffle op {op_id} already finished on rank {self.rank}")
+            s = Shuffler(
+                self.comm, op_id, resource=self.resource,
+                batch_bytes=self.options.batch_bytes, on_done=self._on_done,
+            )
+            self.shufflers[op_id] = s
+            return s
+
+    def _on_done(self, op_id: int) -> None:
+        with self._lock:
+            s = self.shufflers.pop(op_id, None)
+            self._finished.append(op_id)
+            if s is not None:
+                self.history.append((op_id, dict(s.statistics)))
+
+    def _on_message(self, src: int, tag: Tag, frames: Frames) -> None:
+        op_id = tag[1]
+        with self._lock:
+            if op_id in self._finished or op_id in self._failed or self._closed:
+                logger.debug("mpshuffle: dropped %r from rank %d for a finished run", tag, src)
+                return
+            s = self.shuffler(op_id)
+        s.receive(src, tag, frames)
+
+    def _on_peer_lost(self, rank: int, reason: str) -> None:
+        address = self.workers[rank] if rank < len(self.workers) else self.comm.addresses[rank]
+        err = ShuffleError(f"rank {rank} (worker {address}) was lost: {reason}")
+        with self._lock:
+            shufflers = list(self.shufflers.values())
+        for s in shufflers:
+            s.fail(err)
+
+    def fail_run(self, op_id: int, reason: str) -> None:
+        """Fail run ``op_id`` on this rank and free its buffers; later messages are dropped."""
+        err = ShuffleError(reason)
+        with self._lock:
+            self._failed[op_id] = err
+            s = self.shufflers.pop(op_id, None)
+        if s is not None:
+            s.fail(err)
+            s.close()
+
+    def end_run(self, op_id: int) -> None:
+        """Free run ``op_id``'s state on this rank (it finished or was released)."""
+        with self._lock:
+            s = self.shufflers.get(op_id)
+        if s is not None:
+            s.close()
+        with self._lock:
+            self.shufflers.pop(op_id, None)
+            if op_id not in self._finished:
+                self._finished.append(op_id)
+
+    def close(self) -> None:
+        """Close every run and the communicator. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            shufflers = list(self.shufflers.values())
+            self.shufflers.clear()
+        for s in shufflers:
+            s.fail(ShuffleError(f"generation {self.generation} was closed on rank {self.rank}"))
+            s.close()
+        self.comm.close()
+
+
+class LocalRuntime:
+    """Shuffle state of one process when Dask runs without a distributed Client.
+
+    With Dask's synchronous or threaded scheduler, every task runs in this
+    process: the runtime holds one :class:`WorkerContext` on the ``local``
+    communicator, created on first use, and binds runs to it.
+    """
+
+    def __init__(self) -> None:
+        self._context: WorkerContext | None = None
+        self._runs: dict[str, RunInfo] = {}
+        self._ops = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def context(self) -> WorkerContext:
+        """The process's context (created with the options of ``dask.config``)."""
+        with self._lock:
+            if self._context is None:
+                from mpshuffle.comm import LocalCommunicator
+                from mpshuffle.config import resolve_options
+
+                options = resolve_options()
+                self._context = WorkerContext(LocalCommunicator(), "local", options, workers=("local",))
+            return self._context
+
+    def get_run(self, token: str, npartitions: int) -> RunInfo:
+        """The active run of graph ``token``, or a new one."""
+        ctx = self.context
+        with self._lock:
+            run = self._runs.get(token)
+            if run is not None and (run.op_id in ctx.shufflers or not _ended(ctx, run.op_id)):
+                return run
+            run = RunInfo(token, next(self._ops), "local", ("local",), npartitions)
+            self._runs[token] = run
+            return run
+
+    def end_run(self, token: str) -> None:
+        """Forget the run of ``token`` (after its last partition was extracted)."""
+        with self._lock:
+            self._runs.pop(token, None)
+
+
+def _ended(ctx: WorkerContext, op_id: int) -> bool:
+    return op_id in ctx._finished or op_id in ctx._failed

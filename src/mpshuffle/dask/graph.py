@@ -1,0 +1,279 @@
+"""The shuffle as a Dask graph: insert tasks -> one barrier task -> extract tasks.
+
+``shuffle_graph`` works on any collection of frames that has an adapter in
+:mod:`mpshuffle.table` (pandas DataFrames, pyarrow Tables, ...). Its tasks
+find their run at execution time, not when the graph is built:
+
+* on a ``distributed`` worker, through the worker plugin, which asks the
+  scheduler plugin once per run (binding the graph to the current
+  generation, bootstrapping one if the workers changed);
+* without a distributed Client (Dask's synchronous or threaded scheduler),
+  in this process on the ``local`` communicator.
+
+Dask's multiprocessing scheduler cannot run a shuffle (its tasks share no
+state) and is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from collections.abc import Sequence
+from typing import Any
+
+from dask.base import tokenize
+
+from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
+from mpshuffle.errors import ShuffleError, phase
+from mpshuffle.table import get_adapter, partition_owner
+
+__all__ = ["ShuffleSpec", "shuffle_graph"]
+
+_LOCAL = LocalRuntime()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleSpec:
+    """What every task of one shuffle graph knows.
+
+    Attributes
+    ----------
+    token
+        Deterministic token of the graph (input keys, columns, partitions).
+    on
+        Key column names.
+    npartitions
+        Number of output partitions.
+    meta
+        An empty frame with the output's columns and dtypes.
+    insert_name, barrier_name, extract_name
+        Key names of the graph's three kinds of task.
+    keep_index
+        Whether a pandas index travels with the rows.
+    """
+
+    token: str
+    on: tuple[Any, ...]
+    npartitions: int
+    meta: Any
+    insert_name: str
+    barrier_name: str
+    extract_name: str
+    keep_index: bool = False
+
+
+def shuffle_graph(
+    input_keys: Sequence[Any],
+    *,
+    on: Sequence[Any],
+    npartitions: int,
+    meta: Any,
+    keep_index: bool = False,
+    name: str = "mpshuffle",
+    token: str | None = None,
+) -> tuple[dict[Any, Any], list[Any]]:
+    """Build the tasks of a shuffle over a collection of frames.
+
+    Parameters
+    ----------
+    input_keys
+        Keys of the input partitions (frames of one adapter's type), in order.
+    on
+        Key column names; rows with equal keys end up in one output partition.
+    npartitions
+        Number of output partitions (>= 1).
+    meta
+        Empty frame with the columns and dtypes of the input (and output).
+    keep_index
+        Keep a pandas index with the rows (otherwise it is dropped).
+    name
+        Prefix of the task keys.
+    token
+        Token for the keys; by default one from the arguments.
+
+    Returns
+    -------
+    graph : dict
+        Tasks keyed by ``(name-insert-token, i)``, ``name-barrier-token`` and
+        ``(name-extract-token, j)``; the input keys' own tasks are not included.
+    keys : list
+        The output keys ``(name-extract-token, j)``, ``j`` in ``range(npartitions)``.
+
+    Raises
+    ------
+    ValueError
+        If ``on`` is empty or ``npartitions`` < 1.
+    TypeError
+        If ``meta``'s type has no frame adapter.
+
+    Notes
+    -----
+    Output partition ``j`` is produced on the worker of rank
+    ``partition_owner(j, nranks)``; rows within it are ordered by input
+    partition, then by position in that partition.
+    """
+    on = tuple(on)
+    if not on:
+        raise ValueError("shuffle needs at least one key column in 'on'")
+    if int(npartitions) < 1:
+        raise ValueError(f"npartitions must be >= 1, got {npartitions}")
+    npartitions = int(npartitions)
+    get_adapter(meta)  # raises TypeError for unsupported frame types
+    input_keys = list(input_keys)
+    token = token or tokenize(input_keys, on, npartitions, keep_index, name)
+    spec = ShuffleSpec(
+        token=token,
+        on=on,
+        npartitions=npartitions,
+        meta=meta,
+        insert_name=f"{name}-insert-{token}",
+        barrier_name=f"{name}-barrier-{token}",
+        extract_name=f"{name}-extract-{token}",
+        keep_index=keep_index,
+    )
+    graph: dict[Any, Any] = {}
+    insert_keys = []
+    for i, key in enumerate(input_keys):
+        k = (spec.insert_name, i)
+        graph[k] = (insert, key, i, spec)
+        insert_keys.append(k)
+    graph[spec.barrier_name] = (barrier, spec, *insert_keys)
+    out = []
+    for j in range(npartitions):
+        k = (spec.extract_name, j)
+        graph[k] = (extract, spec.barrier_name, j, spec)
+        out.append(k)
+    return graph, out
+
+
+# -- the tasks -----------------------------------------------------------
+
+
+def _runtime() -> tuple[Any, bool]:
+    """The worker plugin on a distributed worker, else the local runtime."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        worker = None
+    if worker is None:
+        if multiprocessing.parent_process() is not None:
+            raise ShuffleError(
+                "mpshuffle cannot run on Dask's multiprocessing scheduler: its tasks share no "
+                "state. Use a distributed Client, or the 'threads' or 'sync' scheduler."
+            )
+        return _LOCAL, False
+    from mpshuffle.dask.worker import PLUGIN_NAME
+
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        from distributed import get_client
+
+        from mpshuffle.dask.bootstrap import register_plugins
+
+        register_plugins(get_client())
+        plugin = worker.plugins[PLUGIN_NAME]
+    return plugin, True
+
+
+def _bind(spec: ShuffleSpec) -> tuple[RunInfo, WorkerContext, Any]:
+    runtime, distributed_ = _runtime()
+    if distributed_:
+        run = runtime.get_run(spec.token, spec.npartitions, spec.extract_name, spec.barrier_name)
+        return run, runtime.context_for(run), runtime
+    run = runtime.get_run(spec.token, spec.npartitions)
+    return run, runtime.context, runtime
+
+
+def _where(ctx: WorkerContext) -> str:
+    return f"rank {ctx.rank} ({ctx.workers[ctx.rank] if ctx.workers else ''})"
+
+
+def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
+    """Task: split input partition ``input_index`` and send its pieces.
+
+    Returns a small record of the run (``op_id``, ``generation``) for the barrier.
+    """
+    with phase("bootstrap"):
+        run, ctx, _ = _bind(spec)
+    with phase("insert", _where(ctx)):
+        adapter = get_adapter(frame)
+        if not adapter.matches(spec.meta):
+            raise ShuffleError(
+                f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
+                f"meta is a {type(spec.meta).__name__}"
+            )
+        _check_columns(adapter, frame, spec, input_index)
+        pieces = _split(adapter, frame, spec)
+        ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout)
+    return {"op_id": run.op_id, "generation": run.generation}
+
+
+def _split(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
+    if spec.keep_index and hasattr(adapter, "with_index"):
+        adapter = adapter.with_index(True)
+    return adapter.split(frame, list(spec.on), spec.npartitions)
+
+
+def _check_columns(adapter: Any, frame: Any, spec: ShuffleSpec, input_index: int) -> None:
+    have = list(adapter.column_names(frame))
+    want = list(get_adapter(spec.meta).column_names(spec.meta))
+    missing = [c for c in want if c not in have]
+    if missing:
+        raise ShuffleError(
+            f"input partition {input_index} lacks column(s) {missing!r} that the collection's "
+            f"meta declares (it has {have!r})"
+        )
+    extra = [c for c in have if c not in want]
+    if extra:
+        raise ShuffleError(
+            f"input partition {input_index} has column(s) {extra!r} that the collection's meta "
+            f"does not declare (meta has {want!r})"
+        )
+
+
+def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
+    """Task: tell every rank that all inserts are done, and wait for them to confirm."""
+    ops = {(r["op_id"], r["generation"]) for r in inserted}
+    with phase("bootstrap"):
+        run, ctx, _ = _bind(spec)
+    with phase("barrier", _where(ctx)):
+        if ops and ops != {(run.op_id, run.generation)}:
+            raise ShuffleError(
+                f"the inserts of shuffle {spec.token} ran in different runs {sorted(ops)}; "
+                "the run was restarted (a worker left or the generation changed)"
+            )
+        ctx.shuffler(run.op_id).barrier(spec.npartitions, ctx.options.timeout)
+    return {"op_id": run.op_id, "generation": run.generation, "workers": run.workers}
+
+
+def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec) -> Any:
+    """Task: wait for output partition ``partition_id`` and return it as a frame."""
+    runtime, distributed_ = _runtime()
+    op_id = barrier_result["op_id"]
+    if distributed_:
+        ctx = runtime.context
+        workers = tuple(barrier_result["workers"])
+        owner = workers[partition_owner(partition_id, len(workers))]
+        if ctx is None or ctx.generation != barrier_result["generation"]:
+            raise ShuffleError(
+                f"extract phase: output partition {partition_id} of shuffle op {op_id} belongs to "
+                f"worker {owner}, and this worker ({runtime.worker.address}) is not a rank of its "
+                "generation (the owner may have left)"
+            )
+        if ctx.workers[ctx.rank] != owner:
+            from distributed import Reschedule
+
+            raise Reschedule()
+    else:
+        ctx = runtime.context
+    adapter = get_adapter(spec.meta)
+    if spec.keep_index and hasattr(adapter, "with_index"):
+        adapter = adapter.with_index(True)
+    with phase("extract", _where(ctx)):
+        pieces = ctx.shuffler(op_id).extract(partition_id, ctx.options.timeout)
+        out = adapter.unpack(pieces, spec.meta)
+    if not distributed_ and op_id not in ctx.shufflers:
+        runtime.end_run(spec.token)
+    return out
