@@ -87,8 +87,9 @@ def cast_lossless(column: pd.Series, dtype: Any) -> pd.Series:
     """
     have = column.dtype
     if isinstance(have, pd.CategoricalDtype) and isinstance(dtype, pd.CategoricalDtype):
-        cast = column.astype(dtype)
-        return cast if np.array_equal(cast.isna(), column.isna()) else column
+        # Only the (few) categories are compared, never the rows.
+        covered = bool(column.cat.categories.isin(dtype.categories).all())
+        return column.astype(dtype) if covered else column
     if dtype == object:
         # None (not NaN) for missing, as an object column built by the user has.
         values = column.to_numpy(dtype=object, na_value=None)

@@ -45,6 +45,12 @@ _ARROW_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImple
 _JSON_SCALARS = (str, int, float, bool)
 
 
+def _data_fields(table: pa.Table) -> list[str]:
+    # Fields that hold a kept index are not columns of the frame.
+    index = (table.schema.pandas_metadata or {}).get("index_columns", [])
+    return [f for f in table.column_names if f not in index]
+
+
 class PandasAdapter(FrameAdapter):
     """Adapter for ``pandas.DataFrame``.
 
@@ -168,7 +174,7 @@ class PandasAdapter(FrameAdapter):
         if all(h.fmt == ARROW for h in headers):
             tables = [read_ipc(p.data) for p in pieces]
             for table, header in zip(tables, headers, strict=True):
-                check_columns(self._restored(table.column_names, header), meta)
+                check_columns(self._restored(_data_fields(table), header), meta)
             try:
                 frame = self._to_pandas(pa.concat_tables(tables, promote_options="default"), headers[0])
             except (pa.ArrowInvalid, pa.ArrowTypeError):
