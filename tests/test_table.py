@@ -72,7 +72,7 @@ def rich_frame(offset: int = 0, n: int = 40) -> pd.DataFrame:
             "k": i % 7,
             "cat": pd.Categorical(np.where(i % 2 == 0, "even", "odd"), categories=["even", "odd"]),
             "nint": pd.array([None if v % 5 == 0 else int(v) for v in i], dtype="Int64"),
-            "tz": pd.date_range("2024-03-30", periods=n, freq="h", tz="Europe/Berlin")[: n],
+            "tz": pd.date_range("2024-03-30", periods=n, freq="h", tz="Europe/Berlin")[:n],
             "s": pd.Series([None if v % 3 == 0 else f"s{v}" for v in i], dtype="str"),
             "b": i % 2 == 0,
             "f": np.where(i % 4 == 0, np.nan, i / 3),
@@ -111,9 +111,7 @@ def test_rows_within_partition_keep_input_order() -> None:
     ]
     outputs = shuffle(PandasAdapter(), inputs, ["k"], 4, inputs[0].iloc[:0])
     for out in outputs.values():
-        expected = pd.concat(
-            [f[f["k"].isin(out["k"].unique())] for f in inputs], ignore_index=True
-        )
+        expected = pd.concat([f[f["k"].isin(out["k"].unique())] for f in inputs], ignore_index=True)
         pd.testing.assert_frame_equal(out, expected)
 
 
@@ -171,7 +169,9 @@ def test_string_column_all_none_in_one_partition_gets_meta_dtype() -> None:
 
 def test_object_meta_keeps_none() -> None:
     frame = pd.DataFrame({"k": [1, 2], "s": pd.Series(["x", None], dtype=object)})
-    out = PandasAdapter().unpack(list(PandasAdapter().split(frame, ["k"], 1).values()), frame.iloc[:0])
+    out = PandasAdapter().unpack(
+        list(PandasAdapter().split(frame, ["k"], 1).values()), frame.iloc[:0]
+    )
     assert out["s"].dtype == object and out["s"].tolist() == ["x", None]
 
 
@@ -206,8 +206,13 @@ def test_unconvertible_object_column_falls_back_to_pickle() -> None:
 def test_meta_column_missing_from_data_is_a_clear_error() -> None:
     # Edge case 6.
     frame = pd.DataFrame({"k": [1, 2], "v": [1.0, 2.0]})
-    meta = pd.DataFrame({"k": pd.Series([], dtype="int64"), "v": pd.Series([], dtype="float64"),
-                         "ghost": pd.Series([], dtype="float64")})
+    meta = pd.DataFrame(
+        {
+            "k": pd.Series([], dtype="int64"),
+            "v": pd.Series([], dtype="float64"),
+            "ghost": pd.Series([], dtype="float64"),
+        }
+    )
     pieces = list(PandasAdapter().split(frame, ["k"], 1).values())
     with pytest.raises(ShuffleError, match="ghost"):
         PandasAdapter().unpack(pieces, meta)
@@ -236,7 +241,9 @@ def test_float_keys_zeros_and_nans_together() -> None:
     assert ids[2] == ids[3] == ids[4]
     f32 = partition_ids(keys.astype("float32"), 1000)
     np.testing.assert_array_equal(ids, f32)
-    outputs = shuffle(PandasAdapter(), [keys.assign(i=range(7))], ["f"], 1000, keys.assign(i=0).iloc[:0])
+    outputs = shuffle(
+        PandasAdapter(), [keys.assign(i=range(7))], ["f"], 1000, keys.assign(i=0).iloc[:0]
+    )
     assert sum(out["f"].isna().any() for out in outputs.values()) == 1
 
 
@@ -256,7 +263,9 @@ def test_null_keys_of_every_type_land_together() -> None:
 
 def test_tz_aware_values_and_keys() -> None:
     # Edge case 9: tz kept; keys hash by instant.
-    berlin = pd.DataFrame({"t": pd.date_range("2024-10-27", periods=6, freq="30min", tz="Europe/Berlin")})
+    berlin = pd.DataFrame(
+        {"t": pd.date_range("2024-10-27", periods=6, freq="30min", tz="Europe/Berlin")}
+    )
     utc = berlin.assign(t=berlin["t"].dt.tz_convert("UTC"))
     np.testing.assert_array_equal(partition_ids(berlin, 97), partition_ids(utc, 97))
     ns = berlin.assign(t=berlin["t"].astype("datetime64[ns, Europe/Berlin]"))
@@ -285,19 +294,25 @@ def test_column_names_colliding_as_strings_are_an_error() -> None:
 def test_two_column_key_str_and_int() -> None:
     # Edge case 11.
     rng = np.random.default_rng(0)
-    frame = pd.DataFrame({
-        "s": pd.Series(rng.choice(["a", "b", "c"], 300), dtype="str"),
-        "i": rng.integers(0, 4, 300),
-        "v": np.arange(300),
-    })
-    outputs = shuffle(PandasAdapter(), [frame.iloc[:150], frame.iloc[150:]], ["s", "i"], 7, frame.iloc[:0])
+    frame = pd.DataFrame(
+        {
+            "s": pd.Series(rng.choice(["a", "b", "c"], 300), dtype="str"),
+            "i": rng.integers(0, 4, 300),
+            "v": np.arange(300),
+        }
+    )
+    outputs = shuffle(
+        PandasAdapter(), [frame.iloc[:150], frame.iloc[150:]], ["s", "i"], 7, frame.iloc[:0]
+    )
     where: dict[tuple[str, int], set[int]] = {}
     for pid, out in outputs.items():
         for pair in zip(out["s"], out["i"], strict=True):
             where.setdefault(pair, set()).add(pid)
     assert len(where) == 12 and all(len(p) == 1 for p in where.values())
     # Column order is part of the hash; both orders still group pairs.
-    assert not np.array_equal(partition_ids(frame[["s", "i"]], 1 << 30), partition_ids(frame[["i", "s"]], 1 << 30))
+    assert not np.array_equal(
+        partition_ids(frame[["s", "i"]], 1 << 30), partition_ids(frame[["i", "s"]], 1 << 30)
+    )
 
 
 def test_keep_index_option() -> None:
@@ -327,7 +342,9 @@ def test_lossless_cast_toward_meta() -> None:
 )
 def test_lossy_cast_error_names_column(values: list[Any], meta_dtype: str) -> None:
     frame = pd.DataFrame({"k": [1, 2], "col_x": values})
-    meta = pd.DataFrame({"k": pd.Series([], dtype="int64"), "col_x": pd.Series([], dtype=meta_dtype)})
+    meta = pd.DataFrame(
+        {"k": pd.Series([], dtype="int64"), "col_x": pd.Series([], dtype=meta_dtype)}
+    )
     pieces = list(PandasAdapter().split(frame, ["k"], 1).values())
     with pytest.raises(ShuffleError, match="col_x") as info:
         PandasAdapter().unpack(pieces, meta)
@@ -345,7 +362,9 @@ def test_incompatible_pieces_error_names_column() -> None:
 # ------------------------------------------------------------- hashing
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "uint16", "uint32", "Int64", "Int32", "UInt8"])
+@pytest.mark.parametrize(
+    "dtype", ["int8", "int16", "int32", "uint16", "uint32", "Int64", "Int32", "UInt8"]
+)
 def test_integer_width_does_not_change_ids(dtype: str) -> None:
     values = [0, 1, 2, 7, 100, 127]
     ref = partition_ids(pd.DataFrame({"k": np.array(values, dtype="int64")}), 1 << 20)
@@ -354,36 +373,55 @@ def test_integer_width_does_not_change_ids(dtype: str) -> None:
 
 
 def test_pandas_and_pyarrow_give_identical_ids() -> None:
-    frame = pd.DataFrame({
-        "i": pd.array([1, None, -3, 2**40], dtype="Int64"),
-        "f": [0.5, np.nan, -0.0, 1e300],
-        "s": pd.Series(["a", None, "ü", ""], dtype="str"),
-        "t": pd.to_datetime(["2020-01-01", None, "1970-01-01", "2262-01-01"]).tz_localize("UTC"),
-        "b": [True, False, True, False],
-    })
-    table = pa.table({
-        "i": pa.array([1, None, -3, 2**40], pa.int64()),
-        "f": pa.array([0.5, None, -0.0, 1e300], pa.float32()).cast(pa.float64()),
-        "s": pa.array(["a", None, "ü", ""], pa.string()),
-        "t": pa.array([pd.Timestamp("2020-01-01"), None, pd.Timestamp("1970-01-01"),
-                       pd.Timestamp("2262-01-01")], pa.timestamp("ms", tz="Asia/Tokyo")),
-        "b": pa.array([True, False, True, False]),
-    })
+    frame = pd.DataFrame(
+        {
+            "i": pd.array([1, None, -3, 2**40], dtype="Int64"),
+            "f": [0.5, np.nan, -0.0, 1e300],
+            "s": pd.Series(["a", None, "ü", ""], dtype="str"),
+            "t": pd.to_datetime(["2020-01-01", None, "1970-01-01", "2262-01-01"]).tz_localize(
+                "UTC"
+            ),
+            "b": [True, False, True, False],
+        }
+    )
+    table = pa.table(
+        {
+            "i": pa.array([1, None, -3, 2**40], pa.int64()),
+            "f": pa.array([0.5, None, -0.0, 1e300], pa.float32()).cast(pa.float64()),
+            "s": pa.array(["a", None, "ü", ""], pa.string()),
+            "t": pa.array(
+                [
+                    pd.Timestamp("2020-01-01"),
+                    None,
+                    pd.Timestamp("1970-01-01"),
+                    pd.Timestamp("2262-01-01"),
+                ],
+                pa.timestamp("ms", tz="Asia/Tokyo"),
+            ),
+            "b": pa.array([True, False, True, False]),
+        }
+    )
     table = table.set_column(1, "f", pa.array([0.5, None, -0.0, 1e300], pa.float64()))
     for cols in (["i"], ["f"], ["s"], ["t"], ["b"], ["s", "i"], ["t", "f", "b"]):
         np.testing.assert_array_equal(
-            partition_ids(frame[cols], 32769), partition_ids(table.select(cols), 32769), err_msg=str(cols)
+            partition_ids(frame[cols], 32769),
+            partition_ids(table.select(cols), 32769),
+            err_msg=str(cols),
         )
         np.testing.assert_array_equal(
-            PandasAdapter().partition_ids(frame, cols, 257), ArrowAdapter().partition_ids(table, cols, 257)
+            PandasAdapter().partition_ids(frame, cols, 257),
+            ArrowAdapter().partition_ids(table, cols, 257),
         )
 
 
 def test_category_object_and_str_keys_agree() -> None:
     text = ["x", "y", None, "x", "zz"]
     ref = partition_ids(pd.DataFrame({"k": pd.Series(text, dtype="str")}), 1 << 16)
-    for series in (pd.Series(text, dtype="category"), pd.Series(text, dtype=object),
-                   pd.Series(text, dtype=pd.StringDtype("python"))):
+    for series in (
+        pd.Series(text, dtype="category"),
+        pd.Series(text, dtype=object),
+        pd.Series(text, dtype=pd.StringDtype("python")),
+    ):
         np.testing.assert_array_equal(ref, partition_ids(pd.DataFrame({"k": series}), 1 << 16))
     dict_table = pa.table({"k": pa.array(text).dictionary_encode()})
     np.testing.assert_array_equal(ref, partition_ids(dict_table, 1 << 16))
@@ -408,8 +446,13 @@ def test_ids_are_deterministic_across_processes() -> None:
         "print(partition_ids(df, 1000).tolist())"
     )
     outs = [
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        ).stdout
         for seed in ("1", "2")
     ]
     assert outs[0] == outs[1] and len(json.loads(outs[0])) == 200
@@ -438,10 +481,20 @@ def test_partition_owner() -> None:
 
 
 def test_arrow_roundtrip_with_null_promotion_and_dictionaries() -> None:
-    a = pa.table({"k": pa.array([1, 2, 3], pa.int32()), "s": pa.array([None, None, None], pa.null()),
-                  "d": pa.array(["x", "y", "x"]).dictionary_encode()})
-    b = pa.table({"k": pa.array([3, 4], pa.int32()), "s": pa.array(["q", None]),
-                  "d": pa.array(["z", "x"]).dictionary_encode()})
+    a = pa.table(
+        {
+            "k": pa.array([1, 2, 3], pa.int32()),
+            "s": pa.array([None, None, None], pa.null()),
+            "d": pa.array(["x", "y", "x"]).dictionary_encode(),
+        }
+    )
+    b = pa.table(
+        {
+            "k": pa.array([3, 4], pa.int32()),
+            "s": pa.array(["q", None]),
+            "d": pa.array(["z", "x"]).dictionary_encode(),
+        }
+    )
     meta = b.schema
     adapter = ArrowAdapter()
     outputs = shuffle(adapter, [a, b], ["k"], 3, meta)
@@ -461,7 +514,8 @@ def test_arrow_lossy_cast_names_column() -> None:
         ArrowAdapter().unpack(list(ArrowAdapter().split(t, ["k"], 1).values()), meta)
     with pytest.raises(ShuffleError, match="ghost"):
         ArrowAdapter().unpack(
-            list(ArrowAdapter().split(t, ["k"], 1).values()), meta.append(pa.field("ghost", pa.int8()))
+            list(ArrowAdapter().split(t, ["k"], 1).values()),
+            meta.append(pa.field("ghost", pa.int8())),
         )
 
 

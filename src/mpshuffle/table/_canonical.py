@@ -36,7 +36,6 @@ _NS_PER_UNIT = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
 _NS_PER_DAY = 86_400 * 1_000_000_000
 
 
-
 def _hash_int64(values: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
     return pd.util.hash_array(values, hash_key=_HASH_KEY)
 

@@ -123,9 +123,7 @@ def split_by_ids(
         sorted_ids = ids[order]
     starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
     stops = np.append(starts[1:], n)
-    runs = [
-        (int(sorted_ids[s]), int(s), int(e)) for s, e in zip(starts, stops, strict=True)
-    ]
+    runs = [(int(sorted_ids[s]), int(s), int(e)) for s, e in zip(starts, stops, strict=True)]
     return order, runs
 
 

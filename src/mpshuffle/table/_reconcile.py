@@ -58,9 +58,7 @@ def _same_values(a: pd.Series, b: pd.Series) -> bool:
     keep = ~null_a
     # Series.equals compares in C (object arrays element-wise), and needs
     # equal dtypes, which the caller guarantees by casting back.
-    return bool(
-        a[keep].reset_index(drop=True).equals(b[keep].reset_index(drop=True))
-    )
+    return bool(a[keep].reset_index(drop=True).equals(b[keep].reset_index(drop=True)))
 
 
 def cast_lossless(column: pd.Series, dtype: Any) -> pd.Series:

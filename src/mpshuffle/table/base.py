@@ -47,7 +47,9 @@ class FrameAdapter(ABC):
         """Return the in-memory size of ``frame`` in bytes."""
 
     @abstractmethod
-    def partition_ids(self, frame: Any, on: Sequence[Any], npartitions: int) -> npt.NDArray[np.int64]:
+    def partition_ids(
+        self, frame: Any, on: Sequence[Any], npartitions: int
+    ) -> npt.NDArray[np.int64]:
         """Return the output partition id of every row.
 
         Parameters

@@ -38,8 +38,9 @@ The hash
    ``int64``; it never wraps for any ``npartitions`` below ``2**63``.
 
 Nothing uses Python's ``hash()`` (salted per process), so ids are equal across
-processes, runs and machines with the same pandas hashing (stable since pandas
-0.20).
+processes, runs and machines that run the same pandas hashing; known values
+are pinned by ``tests/test_table.py::test_known_hash_values`` so that a change
+in pandas' hashing is noticed.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ nullable ``Int64``/``boolean``, tz-aware datetimes, the ``str`` dtype.
 Frames Arrow cannot convert (an ``object`` column mixing dicts and numbers,
 say) fall back, losslessly, to pickle protocol 5 of the gathered pandas
 slices; the header flags the format, and :meth:`PandasAdapter.unpack` reads any
-mix of the two.
+mix of the two. Unpickling runs code chosen by the sender: pieces must come
+only from the shuffle's own ranks, which the communicator authenticates.
 
 Column names may be strings or integers (or any JSON scalar): Arrow field names
 are ``str(name)``, and the original names travel in the header. Names must be
@@ -96,7 +97,9 @@ class PandasAdapter(FrameAdapter):
         """
         missing = [c for c in on if c not in frame.columns]
         if missing:
-            raise KeyError(f"key column(s) {missing!r} not in frame columns {list(frame.columns)!r}")
+            raise KeyError(
+                f"key column(s) {missing!r} not in frame columns {list(frame.columns)!r}"
+            )
         return partition_ids(frame[list(on)], npartitions)
 
     def split(
@@ -140,7 +143,9 @@ class PandasAdapter(FrameAdapter):
         # numpy integers become Python ints so that json can write them.
         return tuple(c.item() if hasattr(c, "item") else c for c in columns)
 
-    def _split_pickle(self, frame: pd.DataFrame, ids: npt.NDArray[np.int64]) -> dict[int, PackedData]:
+    def _split_pickle(
+        self, frame: pd.DataFrame, ids: npt.NDArray[np.int64]
+    ) -> dict[int, PackedData]:
         order, runs = split_by_ids(ids)
         if order is not None:
             frame = frame.take(order)
@@ -148,9 +153,7 @@ class PandasAdapter(FrameAdapter):
             frame = frame.reset_index(drop=True)
         header = Header(PICKLE).encode()
         return {
-            pid: PackedData(
-                header, pickle.dumps(frame.iloc[start:stop], protocol=5), stop - start
-            )
+            pid: PackedData(header, pickle.dumps(frame.iloc[start:stop], protocol=5), stop - start)
             for pid, start, stop in runs
         }
 
@@ -176,7 +179,9 @@ class PandasAdapter(FrameAdapter):
             for table, header in zip(tables, headers, strict=True):
                 check_columns(self._restored(_data_fields(table), header), meta)
             try:
-                frame = self._to_pandas(pa.concat_tables(tables, promote_options="default"), headers[0])
+                frame = self._to_pandas(
+                    pa.concat_tables(tables, promote_options="default"), headers[0]
+                )
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 # Types Arrow cannot unify: let pandas concatenate (to object)
                 # and reconcile name the column that does not fit the meta.
