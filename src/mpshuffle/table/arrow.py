@@ -66,7 +66,13 @@ class ArrowAdapter(FrameAdapter):
             raise KeyError(f"key column(s) {missing!r} not in table columns {frame.column_names!r}")
         return partition_ids(frame.select(list(on)), npartitions)
 
-    def split(self, frame: pa.Table, on: Sequence[Any], npartitions: int) -> dict[int, PackedData]:
+    def split(
+        self,
+        frame: pa.Table,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
+    ) -> dict[int, PackedData]:
         """Split by hash of ``on``: one gather, zero-copy slices, one IPC write each.
 
         Returns
@@ -79,7 +85,8 @@ class ArrowAdapter(FrameAdapter):
         KeyError
             If a key column is missing.
         """
-        ids = self.partition_ids(frame, on, npartitions)
+        if ids is None:
+            ids = self.partition_ids(frame, on, npartitions)
         return split_table(frame, ids, Header(ARROW).encode())
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:

@@ -74,8 +74,18 @@ class FrameAdapter(ABC):
         """
 
     @abstractmethod
-    def split(self, frame: Any, on: Sequence[Any], npartitions: int) -> dict[int, PackedData]:
+    def split(
+        self,
+        frame: Any,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
+    ) -> dict[int, PackedData]:
         """Split ``frame`` by hash of ``on`` into packed pieces.
+
+        ``ids``, when given, are the rows' output partition ids (``int64``,
+        shape ``(n,)``, values in ``[0, npartitions)``) computed by the caller,
+        e.g. a range partitioner for sorts; the hash of ``on`` is then not used.
 
         Returns
         -------

@@ -103,7 +103,11 @@ class PandasAdapter(FrameAdapter):
         return partition_ids(frame[list(on)], npartitions)
 
     def split(
-        self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int
+        self,
+        frame: pd.DataFrame,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
     ) -> dict[int, PackedData]:
         """Split by hash of ``on`` into packed pieces (see the module docstring).
 
@@ -121,7 +125,8 @@ class PandasAdapter(FrameAdapter):
             If column names are not unique (also after ``str``) or not JSON
             scalars while some are not strings.
         """
-        ids = self.partition_ids(frame, on, npartitions)
+        if ids is None:
+            ids = self.partition_ids(frame, on, npartitions)
         names = self._names(frame)
         try:
             table = pa.Table.from_pandas(frame, preserve_index=self.index)
