@@ -21,6 +21,7 @@ Message tags: ``("mps", op_id, kind)`` with kind ``"chunk"``, ``"finish"``,
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -29,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from mpshuffle.errors import CommError, ShuffleError
-from mpshuffle.memory import BufferResource, Postbox
+from mpshuffle.errors import CommError, ShuffleError, SpillError
+from mpshuffle.memory import BufferResource, MemoryType, Postbox
 from mpshuffle.table import PackedData, partition_owner
 
 if TYPE_CHECKING:
@@ -49,8 +50,10 @@ class Statistics(dict):  # type: ignore[type-arg]
     Keys: ``bytes_inserted``, ``bytes_sent`` (to other ranks),
     ``bytes_received`` (from other ranks and itself), ``bytes_spilled``,
     ``bytes_unspilled``, ``chunks_sent``, ``chunks_received``,
-    ``seconds_insert``, ``seconds_wait``, ``seconds_extract``; bytes are
-    packed sizes, seconds wall time summed over calls.
+    ``seconds_insert``, ``seconds_wait``, ``seconds_extract``,
+    ``seconds_spill``, ``seconds_unspill``; bytes are packed sizes, seconds
+    wall time summed over calls (spill time is part of receiving, on the
+    progress thread; unspill time is part of extract).
     """
 
 
@@ -92,6 +95,7 @@ class Shuffler:
             bytes_inserted=0, bytes_sent=0, bytes_received=0, bytes_spilled=0,
             bytes_unspilled=0, chunks_sent=0, chunks_received=0,
             seconds_insert=0.0, seconds_wait=0.0, seconds_extract=0.0,
+            seconds_spill=0.0, seconds_unspill=0.0,
         )
         self._batch_bytes = batch_bytes
         self._on_done = on_done
@@ -114,6 +118,14 @@ class Shuffler:
     def insert(self, input_index: int, pieces: Mapping[int, PackedData], timeout: float) -> None:
         """Send the pieces of one input partition to their owners.
 
+        Back-pressure: at most one chunk (about ``batch_bytes``) per
+        destination rank is in flight; before sending the next chunk to a
+        rank this waits, in the calling (task) thread, until the previous one
+        was handed to the transport. Receivers keep their memory bounded by
+        spilling, and while a receiver writes a spill file it reads no more
+        data, so a slow disk slows the senders down instead of filling memory.
+        The pieces are accounted as host memory while this call holds them.
+
         Parameters
         ----------
         input_index
@@ -133,25 +145,46 @@ class Shuffler:
             raise ShuffleError(f"insert after insert_finished in shuffle op {self.op_id}")
         t0 = time.perf_counter()
         nranks = self.comm.nranks
+        total = sum(p.nbytes for p in pieces.values())
+        reservation = self.postbox.resource.reserve(MemoryType.HOST, total)
         batches: dict[int, list[tuple[int, PackedData]]] = {}
         sizes: dict[int, int] = {}
-        futures = []
-        for pid, packed in pieces.items():
-            dest = partition_owner(pid, nranks)
-            batches.setdefault(dest, []).append((pid, packed))
-            sizes[dest] = sizes.get(dest, 0) + packed.nbytes
-            self.statistics["bytes_inserted"] += packed.nbytes
-            if sizes[dest] >= self._batch_bytes:
-                futures.append(self._send_chunk(dest, input_index, batches.pop(dest)))
-                sizes[dest] = 0
-        for dest, batch in batches.items():
-            futures.append(self._send_chunk(dest, input_index, batch))
+        in_flight: dict[int, Any] = {}
         try:
-            for fut in futures:
+            for pid, packed in pieces.items():
+                dest = partition_owner(pid, nranks)
+                batches.setdefault(dest, []).append((pid, packed))
+                sizes[dest] = sizes.get(dest, 0) + packed.nbytes
+                if sizes[dest] >= self._batch_bytes:
+                    self._send_after(in_flight, dest, input_index, batches.pop(dest), timeout)
+                    sizes[dest] = 0
+            for dest, batch in batches.items():
+                self._send_after(in_flight, dest, input_index, batch, timeout)
+            for fut in in_flight.values():
                 fut.result(timeout)
         except CommError as e:
             raise ShuffleError(f"sending a chunk of shuffle op {self.op_id} failed: {e}") from e
-        self.statistics["seconds_insert"] += time.perf_counter() - t0
+        except concurrent.futures.TimeoutError:
+            raise ShuffleError(
+                f"shuffle op {self.op_id} on rank {self.comm.rank}: a send did not complete within "
+                f"{timeout:g} s"
+            ) from None
+        finally:
+            reservation.release()
+        with self._lock:
+            self.statistics["bytes_inserted"] += total
+            self.statistics["seconds_insert"] += time.perf_counter() - t0
+
+    def _send_after(
+        self, in_flight: dict[int, Any], dest: int, input_index: int,
+        batch: list[tuple[int, PackedData]], timeout: float,
+    ) -> None:
+        """Send a chunk to ``dest`` once the previous chunk to ``dest`` has gone."""
+        previous = in_flight.pop(dest, None)
+        if previous is not None:
+            previous.result(timeout)
+            self._raise_if_failed()
+        in_flight[dest] = self._send_chunk(dest, input_index, batch)
 
     def _send_chunk(self, dest: int, input_index: int, batch: list[tuple[int, PackedData]]) -> Any:
         header: list[Any] = []
@@ -165,9 +198,9 @@ class Shuffler:
         frames[0] = msgpack.packb(header)
         with self._lock:
             self._sent[dest] += 1
-        self.statistics["chunks_sent"] += 1
-        if dest != self.comm.rank:
-            self.statistics["bytes_sent"] += nbytes
+            self.statistics["chunks_sent"] += 1
+            if dest != self.comm.rank:
+                self.statistics["bytes_sent"] += nbytes
         return self.comm.send_nowait(dest, (TAG, self.op_id, "chunk"), frames)
 
     # -- receive (progress thread) ---------------------------------------
@@ -177,14 +210,19 @@ class Shuffler:
         if kind == "chunk":
             header = msgpack.unpackb(frames[0])
             per_piece = (len(frames) - 1) // max(len(header), 1)
-            nbytes = 0
+            entries = []
             for k, (pid, input_index, seq, _nrows) in enumerate(header):
                 piece = PackedData.from_frames(frames[1 + k * per_piece : 1 + (k + 1) * per_piece])
+                entries.append((pid, (input_index, src, seq), piece))
+            nbytes = sum(piece.nbytes for _, _, piece in entries)
+            if self._error is None and not self._closed:
                 try:
-                    self.postbox.add(pid, (input_index, src, seq), piece)
+                    # Spilling happens here, on the progress thread: while it
+                    # writes, no more data is read from the peers (back-pressure).
+                    self.postbox.add_chunk(entries)
                 except Exception as e:  # a failed spill fails the run, loudly
+                    logger.error("mpshuffle: %s", e)
                     self.fail(e)
-                nbytes += piece.nbytes
             with self._lock:
                 self._received[src] += 1
                 self.statistics["chunks_received"] += 1
@@ -308,9 +346,12 @@ class Shuffler:
                 raise ShuffleError(f"output partition {partition_id} of shuffle op {self.op_id} was already extracted")
             self._extracted.add(partition_id)
             last = self._extracted == self._owned
-        pieces = self.postbox.pop(partition_id)
-        self.statistics["bytes_unspilled"] = self.postbox.bytes_unspilled
-        self.statistics["bytes_spilled"] = self.postbox.bytes_spilled
+        try:
+            pieces = self.postbox.pop(partition_id)
+        except SpillError as e:
+            self.fail(e)
+            raise
+        self._update_spill_statistics()
         self.statistics["seconds_extract"] += time.perf_counter() - t0
         if last:
             self._finish()
@@ -318,12 +359,17 @@ class Shuffler:
 
     # -- failure and cleanup ---------------------------------------------
     def fail(self, error: BaseException) -> None:
-        """Fail the run on this rank: every wait raises ``error`` from now on."""
+        """Fail the run on this rank: every wait raises ``error`` from now on.
+
+        The postbox's buffers and spill files are freed at once; chunks that
+        still arrive are dropped.
+        """
         with self._lock:
             if self._error is None:
                 self._error = error
         self._complete.set()
         self._acks_event.set()
+        self.postbox.clear()
 
     def _raise_if_failed(self) -> None:
         err = self._error
@@ -332,8 +378,14 @@ class Shuffler:
                 raise err
             raise ShuffleError(f"shuffle op {self.op_id} failed on rank {self.comm.rank}: {err}") from err
 
+    def _update_spill_statistics(self) -> None:
+        box = self.postbox
+        self.statistics["bytes_spilled"] = box.bytes_spilled
+        self.statistics["bytes_unspilled"] = box.bytes_unspilled
+        self.statistics["seconds_spill"] = box.seconds_spill
+        self.statistics["seconds_unspill"] = box.seconds_unspill
+
     def _finish(self) -> None:
-        self.statistics["bytes_spilled"] = self.postbox.bytes_spilled
         self.close()
 
     @property
@@ -348,5 +400,6 @@ class Shuffler:
                 return
             self._closed = True
         self.postbox.clear()
+        self._update_spill_statistics()
         if self._on_done is not None:
             self._on_done(self.op_id)

@@ -3,11 +3,13 @@
 from mpshuffle.dask.bootstrap import Generation, bootstrap_dask_cluster, get_worker_context
 from mpshuffle.dask.dataframe import shuffle
 from mpshuffle.dask.graph import ShuffleSpec, shuffle_graph
+from mpshuffle.dask.statistics import gather_statistics
 
 __all__ = [
     "Generation",
     "ShuffleSpec",
     "bootstrap_dask_cluster",
+    "gather_statistics",
     "get_worker_context",
     "shuffle",
     "shuffle_graph",

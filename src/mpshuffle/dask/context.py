@@ -89,9 +89,12 @@ class WorkerContext:
         self.generation = generation
         self.options = options
         self.workers = workers
+        worker = workers[comm.rank] if comm.rank < len(workers) else comm.addresses[comm.rank]
         self.resource = BufferResource(
             {MemoryType.HOST: options.host_budget(memory_limit)},
             spill_dir=options.spill_dir or local_directory,
+            owner=f"rank {comm.rank} (worker {worker})",
+            spill_prefix=f"mpshuffle-{generation}",
         )
         self.shufflers: dict[int, Shuffler] = {}
         self.history: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=_HISTORY)

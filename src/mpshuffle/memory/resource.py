@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import tempfile
 import threading
 
 from mpshuffle.errors import MPShuffleError
@@ -44,12 +45,27 @@ class BufferResource:
         Budget in bytes per memory type; a missing type or ``None`` means
         unbounded.
     spill_dir
-        Directory under which spill files are written.
+        Directory under which spill files are written; by default the
+        system's temporary directory.
+    owner
+        Names the rank and worker that own the resource, in error messages.
+    spill_prefix
+        Start of the name of every spill directory made under ``spill_dir``
+        (the worker context puts the generation in it).
     """
 
-    def __init__(self, limits: dict[MemoryType, int | None] | None = None, spill_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        limits: dict[MemoryType, int | None] | None = None,
+        spill_dir: str | None = None,
+        *,
+        owner: str = "",
+        spill_prefix: str = "mpshuffle",
+    ) -> None:
         self.limits: dict[MemoryType, int | None] = dict(limits or {})
-        self.spill_dir = spill_dir
+        self.spill_dir: str = spill_dir or tempfile.gettempdir()
+        self.owner = owner
+        self.spill_prefix = spill_prefix
         self._used = {mt: 0 for mt in MemoryType}
         self._peak = {mt: 0 for mt in MemoryType}
         self._lock = threading.Lock()
