@@ -1,0 +1,201 @@
+"""BufferResource budgets, the postbox's spilling, spill files, and send back-pressure."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
+from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
+from mpshuffle.memory import spill as spill_module
+from mpshuffle.shuffler import Shuffler
+from mpshuffle.table import PackedData
+
+
+def _piece(values: range | list[int], meta: bytes = b"m") -> PackedData:
+    data = np.asarray(values, dtype=np.int64).tobytes()
+    return PackedData(metadata=meta, data=data, nrows=len(values))
+
+
+def test_reservations_account_use_and_peak() -> None:
+    res = BufferResource({MemoryType.HOST: 100})
+    a = res.reserve(MemoryType.HOST, 60)
+    b = res.reserve(MemoryType.HOST, 70)  # past the budget: accounted, not refused
+    assert res.used(MemoryType.HOST) == 130
+    assert res.available(MemoryType.HOST) == -30
+    a.release()
+    a.release()  # idempotent
+    assert res.used(MemoryType.HOST) == 70
+    b.release()
+    assert res.used(MemoryType.HOST) == 0
+    assert res.peak(MemoryType.HOST) == 130
+    assert res.available(MemoryType.DISK) is None
+    with pytest.raises(MPShuffleError, match="negative"):
+        res.reserve(MemoryType.HOST, -1)
+
+
+def test_postbox_keeps_within_budget_and_spills_the_rest(tmp_path: Any) -> None:
+    res = BufferResource({MemoryType.HOST: 1000}, spill_dir=str(tmp_path), owner="rank 0 (worker w)")
+    box = Postbox(res, "op1-r0")
+    p1 = _piece(range(50))  # 401 bytes
+    p2 = _piece(range(50, 100))
+    p3 = _piece(range(100, 200))  # 801 bytes: does not fit any more
+    box.add_chunk([(0, (0, 0, 0), p1), (1, (0, 0, 1), p2)])
+    assert box.bytes_spilled == 0
+    assert res.used(MemoryType.HOST) == 802
+    box.add_chunk([(0, (1, 0, 2), p3), (1, (1, 0, 3), p1)])
+    assert box.bytes_spilled == 800 + 400
+    assert res.used(MemoryType.HOST) == 802
+    assert res.used(MemoryType.DISK) == 1200
+    spill_dir = tmp_path / "mpshuffle-op1-r0"
+    assert sorted(os.listdir(spill_dir)) == ["part-0.bin", "part-1.bin"]
+
+    got = box.pop(0)
+    assert [np.frombuffer(p.data, np.int64).tolist() for p in got] == [list(range(50)), list(range(100, 200))]
+    assert [p.nrows for p in got] == [50, 100]
+    assert [p.metadata for p in got] == [b"m", b"m"]
+    # Read-back buffers are 64-byte aligned, so Arrow uses them in place.
+    assert np.frombuffer(got[1].data, np.uint8).ctypes.data % 64 == 0
+    assert box.bytes_unspilled == 800
+    assert os.listdir(spill_dir) == ["part-1.bin"]
+    assert res.used(MemoryType.HOST) == 401
+    assert res.used(MemoryType.DISK) == 400
+    box.clear()
+    assert not spill_dir.exists()
+    assert res.used(MemoryType.HOST) == 0 and res.used(MemoryType.DISK) == 0
+
+
+def test_pieces_of_a_partition_come_back_in_order_across_memory_and_disk(tmp_path: Any) -> None:
+    res = BufferResource({MemoryType.HOST: 500}, spill_dir=str(tmp_path))
+    box = Postbox(res, "x")
+    pieces = [_piece(range(i * 10, i * 10 + 10 + i)) for i in range(8)]
+    for i in reversed(range(8)):
+        box.add(3, (i, 0, 0), pieces[i])
+    assert 0 < box.bytes_spilled < sum(p.nbytes for p in pieces)
+    got = box.pop(3)
+    assert [bytes(memoryview(p.data)) for p in got] == [p.data for p in pieces]
+    assert box.pop(3) == []
+    box.clear()
+
+
+def test_unbounded_postbox_never_spills(tmp_path: Any) -> None:
+    res = BufferResource({}, spill_dir=str(tmp_path))
+    box = Postbox(res, "u")
+    box.add(0, 0, _piece(range(10_000)))
+    assert box.bytes_spilled == 0 and box.nbytes == 80_001
+    box.clear()
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_full_while_spilling_names_directory_and_owner_and_removes_files(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    res = BufferResource({MemoryType.HOST: 10}, spill_dir=str(tmp_path), owner="rank 1 (worker tcp://h:1)")
+    box = Postbox(res, "op7-r1")
+    box.add(0, 0, _piece(range(100)))  # spilled fine
+    assert os.listdir(tmp_path / "mpshuffle-op7-r1") == ["part-0.bin"]
+
+    def full(f: Any, view: memoryview) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spill_module, "_write_all", full)
+    with pytest.raises(SpillError) as info:
+        box.add(1, 0, _piece(range(100)))
+    msg = str(info.value)
+    assert "disk is full" in msg
+    assert str(tmp_path / "mpshuffle-op7-r1") in msg
+    assert "rank 1 (worker tcp://h:1)" in msg
+    assert not (tmp_path / "mpshuffle-op7-r1").exists()
+    assert res.used(MemoryType.DISK) == 0
+    # The postbox stays failed: extract raises the same error instead of returning partial data.
+    with pytest.raises(SpillError, match="disk is full"):
+        box.pop(0)
+
+
+def test_spill_directory_roundtrip_and_unwritable_dir(tmp_path: Any) -> None:
+    d = SpillDirectory(str(tmp_path / "s"), owner="me")
+    assert d.write(5, b"abc") == (0, 3)
+    assert d.write(5, b"defg") == (64, 4)
+    buf = d.read(5)
+    assert bytes(buf[0:3]) == b"abc" and bytes(buf[64:68]) == b"defg"
+    assert d.nbytes == 0 and os.listdir(tmp_path / "s") == []
+    d.remove()
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(SpillError, match="already removed"):
+        d.write(0, b"x")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    bad = SpillDirectory(str(blocker / "sub"), owner="me")
+    with pytest.raises(SpillError, match="could not write to spill directory .*file/sub on me"):
+        bad.write(0, b"x")
+
+
+# -- back-pressure ---------------------------------------------------------
+
+
+class _LazyFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A send that completes only when someone waits for it."""
+
+    def __init__(self, comm: _RecordingComm, dest: int) -> None:
+        super().__init__()
+        self._comm, self._dest = comm, dest
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._comm.in_flight[self._dest] -= 1
+            self.set_result(None)
+        return super().result(timeout)
+
+
+class _RecordingComm:
+    """Stands in for a communicator of 2 ranks; records chunks in flight per destination."""
+
+    rank = 0
+    nranks = 2
+    addresses = ["a", "b"]
+
+    def __init__(self) -> None:
+        self.in_flight = {0: 0, 1: 0}
+        self.most_in_flight = 0
+        self.chunks = 0
+
+    def send_nowait(self, dest: int, tag: Any, frames: Any) -> _LazyFuture:
+        self.in_flight[dest] += 1
+        self.chunks += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight[dest])
+        return _LazyFuture(self, dest)
+
+
+def test_insert_keeps_at_most_one_chunk_in_flight_per_destination(tmp_path: Any) -> None:
+    comm = _RecordingComm()
+    res = BufferResource({MemoryType.HOST: 10**9}, spill_dir=str(tmp_path))
+    s = Shuffler(comm, 1, resource=res, batch_bytes=1000)  # type: ignore[arg-type]
+    pieces = {pid: _piece(range(pid * 100, pid * 100 + 200)) for pid in range(40)}  # 1601 bytes each
+    s.insert(0, pieces, timeout=5)
+    assert comm.chunks == 40  # every piece passes batch_bytes on its own
+    assert comm.most_in_flight == 1
+    assert comm.in_flight == {0: 0, 1: 0}
+    # The pieces were accounted while insert held them, and released after.
+    assert res.peak(MemoryType.HOST) == sum(p.nbytes for p in pieces.values())
+    assert res.used(MemoryType.HOST) == 0
+    assert s.statistics["bytes_inserted"] == sum(p.nbytes for p in pieces.values())
+    assert s.statistics["bytes_sent"] == sum(p.nbytes for pid, p in pieces.items() if pid % 2 == 1)
+    s.close()
+
+
+def test_failed_run_frees_its_spill_files(tmp_path: Any) -> None:
+    comm = _RecordingComm()
+    res = BufferResource({MemoryType.HOST: 1}, spill_dir=str(tmp_path), spill_prefix="mpshuffle-g")
+    s = Shuffler(comm, 9, resource=res)  # type: ignore[arg-type]
+    s.postbox.add(0, (0, 0, 0), _piece(range(100)))
+    assert os.listdir(tmp_path) == ["mpshuffle-g-op9-r0"]
+    s.fail(ShuffleError("peer lost"))
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ShuffleError, match="peer lost"):
+        s.wait(1)
+    s.close()
