@@ -1,0 +1,135 @@
+"""Options: dask.config defaults < DASK_MPSHUFFLE__* environment < keyword arguments; validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import dask.config
+import pytest
+
+from mpshuffle.config import Options, resolve_options
+from mpshuffle.errors import OptionError
+
+VALID = [f.name for f in dataclasses.fields(Options)]
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """No DASK_MPSHUFFLE__* variables; dask.config re-read from the environment after the test."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("DASK_MPSHUFFLE__"):
+            monkeypatch.delenv(key)
+    yield monkeypatch
+    monkeypatch.undo()
+    dask.config.refresh()
+
+
+def test_shipped_defaults_are_registered_with_dask_config(clean_env: pytest.MonkeyPatch) -> None:
+    dask.config.refresh()
+    assert dask.config.get("mpshuffle.spill_host") == 0.25
+    assert dask.config.get("mpshuffle.batch_bytes") == "4MiB"
+    opts = resolve_options()
+    assert opts == Options(
+        comm="tcp", timeout=300.0, bootstrap_timeout=30.0, spill_host=0.25, spill_dir=None,
+        spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20,
+    )
+
+
+def test_environment_overrides_defaults_and_kwargs_override_both(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("DASK_MPSHUFFLE__SPILL_HOST", "64MiB")
+    clean_env.setenv("DASK_MPSHUFFLE__TIMEOUT", "12")
+    clean_env.setenv("DASK_MPSHUFFLE__SPILL_DIR", "/tmp/from-env")
+    dask.config.refresh()
+    opts = resolve_options()
+    assert opts.spill_host == 64 * 2**20
+    assert opts.timeout == 12.0
+    assert opts.spill_dir == "/tmp/from-env"
+    assert opts.comm == "tcp"  # untouched: still the shipped default
+
+    opts = resolve_options(spill_host=0.5, timeout=3, spill_dir="/tmp/from-kwargs")
+    assert (opts.spill_host, opts.timeout, opts.spill_dir) == (0.5, 3.0, "/tmp/from-kwargs")
+    # None means "not given" for a kwarg, except where None is itself a value.
+    assert resolve_options(timeout=None).timeout == 12.0
+    assert resolve_options(spill_dir=None).spill_dir is None
+
+
+def test_dask_config_set_is_between_env_and_kwargs(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("DASK_MPSHUFFLE__SPILL_DEVICE", "0.3")
+    dask.config.refresh()
+    assert resolve_options().spill_device == 0.3
+    with dask.config.set({"mpshuffle.spill_device": 0.7, "mpshuffle.pool-size": 0.4}):
+        opts = resolve_options()
+        assert (opts.spill_device, opts.pool_size) == (0.7, 0.4)
+        assert resolve_options(spill_device=0.9).spill_device == 0.9
+    assert resolve_options().spill_device == 0.3
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(1, 1.0), (0.25, 0.25), ("0.5", 0.5), (2, 2), (2**20, 2**20), ("1MiB", 2**20), ("2 GiB", 2 * 2**30)],
+)
+def test_spill_host_is_a_fraction_or_bytes(value: object, expected: float | int) -> None:
+    got = resolve_options(spill_host=value).spill_host
+    assert got == expected and type(got) is type(expected)
+
+
+def test_host_budget_in_bytes() -> None:
+    assert resolve_options(spill_host=0.25).host_budget(4 * 2**30) == 2**30
+    assert resolve_options(spill_host=0.25).host_budget(None) is None
+    assert resolve_options(spill_host="64MiB").host_budget(None) == 64 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("spill_host", -1, "'spill_host' must be positive"),
+        ("spill_host", 0, "'spill_host' must be positive"),
+        ("spill_host", "lots", "'spill_host' must be a number of bytes"),
+        ("spill_host", True, "'spill_host' must be a fraction in \\(0, 1\\] or bytes"),
+        ("spill_device", 1.5, "'spill_device' must be a fraction in \\(0, 1\\]"),
+        ("spill_device", 0, "'spill_device' must be a fraction in \\(0, 1\\]"),
+        ("spill_device", "half", "'spill_device' must be a number in \\(0, 1\\]"),
+        ("pool_size", 2, "'pool_size' must be a fraction in \\(0, 1\\]"),
+        ("pool_size", -0.1, "'pool_size' must be a fraction in \\(0, 1\\]"),
+        ("timeout", -5, "'timeout' must be positive"),
+        ("timeout", "soon", "'timeout' must be a positive number"),
+        ("bootstrap_timeout", 0, "'bootstrap_timeout' must be positive"),
+        ("batch_bytes", 0, "'batch_bytes' must be a positive number of bytes"),
+        ("batch_bytes", "big", "'batch_bytes' must be a number of bytes"),
+        ("comm", "mpi", "'comm' must be one of tcp, local"),
+        ("spill_dir", 3, "'spill_dir' must be a path or None"),
+    ],
+)
+def test_invalid_values_raise_option_error(name: str, value: object, match: str) -> None:
+    with pytest.raises(OptionError, match=match):
+        resolve_options(**{name: value})
+
+
+def test_invalid_value_from_the_environment_is_named(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("DASK_MPSHUFFLE__SPILL_DEVICE", "2")
+    dask.config.refresh()
+    with pytest.raises(OptionError, match="'spill_device' must be a fraction"):
+        resolve_options()
+    # A valid keyword argument wins over the invalid environment value.
+    assert resolve_options(spill_device=0.5).spill_device == 0.5
+
+
+def test_unknown_names_raise_listing_the_valid_ones(clean_env: pytest.MonkeyPatch) -> None:
+    with pytest.raises(OptionError) as info:
+        resolve_options(spil_host=0.5)
+    msg = str(info.value)
+    assert "'spil_host'" in msg
+    assert all(name in msg for name in VALID)
+
+    clean_env.setenv("DASK_MPSHUFFLE__SPILL_HOSTS", "1GiB")
+    dask.config.refresh()
+    with pytest.raises(OptionError, match="unknown mpshuffle option.*'spill_hosts'.*valid options are: comm"):
+        resolve_options()
+
+
+def test_option_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        resolve_options(timeout=-1)
