@@ -1,32 +1,43 @@
-"""The scheduler plugin: generations, runs, pinning and cleanup.
+"""The scheduler plugin: generations, runs, pinning, restarts and cleanup.
 
 It is the one owner of the cluster-wide state of mpshuffle:
 
-* the current *generation* (worker set, ids, the root's address), which it
-  bootstraps by one broadcast to every worker's ``mpshuffle_bootstrap``
-  handler; rank 0 publishes its address through this plugin's
-  ``mpshuffle_publish_root`` handler and the others wait for it through
-  ``mpshuffle_get_root``;
+* the *generations*: the current one (worker set, ids, the root's address),
+  which it bootstraps by one call to every worker's ``mpshuffle_bootstrap``
+  handler (rank 0 publishes its address through this plugin's
+  ``mpshuffle_publish_root`` handler, the others wait for it through
+  ``mpshuffle_get_root``), and older ones that still carry running shuffles.
+  A generation is replaced when the workers change; the old one is closed
+  on its workers (threads, sockets, buffers) once its last run ended, so a
+  worker that joins during a shuffle never disturbs it;
 * the *runs*: the first task of a shuffle graph to execute asks
   ``mpshuffle_get_run``, which binds the graph's token to the current
-  generation under a fresh ``op_id`` and pins every extract task to the
-  worker of the rank owning its output partition with
+  generation under a fresh ``op_id``, restricts the graph's insert and
+  barrier tasks to the generation's workers and pins every extract task to
+  the worker of the rank owning its output partition, with
   :meth:`distributed.Scheduler.set_restrictions` (Dask's DataFrame
   collections ignore annotations, so restrictions are set here, as Dask's
   own P2P shuffle does);
+* restarts: when a worker of a run's generation leaves, the run is failed on
+  the other ranks and its tasks are released, so that Dask computes the
+  shuffle again on a new generation of the remaining workers (as Dask's P2P
+  shuffle restarts). A task that saw the peer go asks
+  ``mpshuffle_run_lost`` and is rescheduled once the restart happened, or
+  fails with an error naming the phase and the lost worker if the scheduler
+  still counts that worker as alive after the run's ``timeout``;
 * cleanup: when the graph's barrier task is released, forgotten or errs,
-  every rank frees the run; when a worker of the generation leaves, its
-  runs fail on every rank and their pinned tasks are unpinned, so nothing
-  waits for a worker that is gone.
+  every rank frees the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
 import secrets
+import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -43,14 +54,23 @@ __all__ = ["ShuffleSchedulerPlugin"]
 
 logger = logging.getLogger(__name__)
 
+# Seconds the scheduler waits for a worker's bootstrap answer past the
+# generation's own bootstrap_timeout, so that the workers' errors (which name
+# the missing ranks) arrive before the scheduler gives up on them.
+_BOOTSTRAP_GRACE = 5.0
 
-@dataclasses.dataclass
+# How many ended runs the plugin remembers for late questions of their tasks.
+_ENDED_RUNS = 1024
+
+
+@dataclasses.dataclass(eq=False)
 class _Generation:
     id: str
     workers: tuple[str, ...]
     token: str
     options: Options
     stale: bool = False
+    runs: set[int] = dataclasses.field(default_factory=set)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -60,15 +80,18 @@ class _Generation:
         }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Run:
     token: str
     op_id: int
     generation: _Generation
     npartitions: int
+    insert_keys: list[Any]
     extract_keys: list[Any]
     barrier_key: str
     error: str | None = None
+    restarted: bool = False
+    ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class ShuffleSchedulerPlugin(SchedulerPlugin):
@@ -76,6 +99,19 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
 
     Registered by :func:`mpshuffle.dask.bootstrap_dask_cluster`; idempotent,
     so registering it again keeps the running instance.
+
+    Attributes
+    ----------
+    generation
+        The current generation, or ``None`` before the first bootstrap and
+        after a worker of it left.
+    generations
+        Every generation that is open on its workers, by id (the current one
+        and older ones that still carry runs).
+    runs
+        Active runs by graph token.
+    bootstraps
+        Number of generations bootstrapped by this plugin.
     """
 
     idempotent = True
@@ -84,7 +120,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.scheduler: Scheduler | None = None
         self.generation: _Generation | None = None
+        self.generations: dict[str, _Generation] = {}
         self.runs: dict[str, _Run] = {}
+        self._by_op: collections.OrderedDict[int, _Run] = collections.OrderedDict()
         self._barrier_keys: dict[str, str] = {}
         self._ops = itertools.count(1)
         self._roots: dict[str, str] = {}
@@ -98,15 +136,19 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers["mpshuffle_publish_root"] = self.publish_root
         scheduler.handlers["mpshuffle_get_root"] = self.get_root
         scheduler.handlers["mpshuffle_get_run"] = self.get_run
+        scheduler.handlers["mpshuffle_run_lost"] = self.run_lost
 
     async def close(self) -> None:
         if self.scheduler is not None:
-            for name in ("mpshuffle_publish_root", "mpshuffle_get_root", "mpshuffle_get_run"):
+            for name in ("mpshuffle_publish_root", "mpshuffle_get_root", "mpshuffle_get_run", "mpshuffle_run_lost"):
                 self.scheduler.handlers.pop(name, None)
 
     # -- generations -----------------------------------------------------
     async def ensure_generation(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Bootstrap a generation on the current workers unless the current one matches.
+
+        Calls are serialized (an :class:`asyncio.Lock`), so clients that
+        bootstrap at the same moment end with one generation.
 
         Parameters
         ----------
@@ -122,8 +164,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         Raises
         ------
         BootstrapError
-            If there are no workers, or some worker failed or timed out;
-            names the workers.
+            If there are no workers, or some worker failed or did not answer
+            within the bootstrap timeout; names those ranks and workers.
         """
         assert self.scheduler is not None and self._lock is not None
         async with self._lock:
@@ -139,8 +181,6 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:
             return {**gen.describe(), "bootstrapped": False}
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)
-        if gen is not None:
-            self._fail_runs_of(gen, f"generation {gen.id} was replaced by {new.id} (workers changed)")
         self._root_events[new.id] = asyncio.Event()
         spec = {
             "generation": new.id,
@@ -148,31 +188,57 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             "token": new.token,
             "options": dataclasses.asdict(opts),
         }
+        # Registered before the workers hear of it: a failed bootstrap is
+        # closed on them like any other generation.
+        self.generations[new.id] = new
         try:
-            results = await asyncio.wait_for(
-                self.scheduler.broadcast(
-                    msg={"op": "mpshuffle_bootstrap", "spec": spec}, workers=list(workers), on_error="return"
-                ),
-                opts.bootstrap_timeout + 10,
-            )
-        except asyncio.TimeoutError:
-            self.generation = None
-            raise BootstrapError(
-                f"bootstrap of generation {new.id} on {len(workers)} workers did not finish "
-                f"within {opts.bootstrap_timeout + 10:g} s"
-            ) from None
+            results = await self._call_each(workers, spec, opts.bootstrap_timeout + _BOOTSTRAP_GRACE)
         finally:
             self._root_events.pop(new.id, None)
             self._roots.pop(new.id, None)
         failed = {w: r for w, r in results.items() if isinstance(r, BaseException)}
         if failed:
-            self.generation = None
-            detail = "; ".join(f"{w} (rank {workers.index(w)}): {type(e).__name__}: {e}" for w, e in failed.items())
-            raise BootstrapError(f"bootstrap of generation {new.id} failed on {len(failed)} worker(s): {detail}")
-        self.generation = new
+            new.stale = True
+            self._maybe_close(new)
+            detail = "; ".join(
+                f"rank {workers.index(w)} (worker {w}): {_describe_error(e)}" for w, e in sorted(failed.items())
+            )
+            raise BootstrapError(f"bootstrap of generation {new.id} on {len(workers)} workers failed: {detail}")
+        old, self.generation = self.generation, new
+        if old is not None:
+            old.stale = True
+            self._maybe_close(old)
         self.bootstraps += 1
         logger.info("mpshuffle: generation %s bootstrapped on %d workers", new.id, len(workers))
         return {**new.describe(), "bootstrapped": True}
+
+    async def _call_each(self, workers: tuple[str, ...], spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Call ``mpshuffle_bootstrap`` on every worker; errors and timeouts per worker."""
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+
+        async def one(address: str) -> Any:
+            return await scheduler.rpc(address).mpshuffle_bootstrap(spec=spec)
+
+        tasks = {w: asyncio.ensure_future(one(w)) for w in workers}
+        await asyncio.wait(tasks.values(), timeout=timeout)
+        results: dict[str, Any] = {}
+        for w, t in tasks.items():
+            if not t.done():
+                t.cancel()
+                results[w] = TimeoutError(f"did not finish bootstrapping within {timeout:g} s")
+            elif t.exception() is not None:
+                results[w] = t.exception()
+            else:
+                results[w] = t.result()
+        return results
+
+    def _maybe_close(self, gen: _Generation) -> None:
+        """Close a replaced or failed generation on its workers once no run uses it."""
+        if gen is self.generation or gen.runs or gen.id not in self.generations:
+            return
+        del self.generations[gen.id]
+        self._broadcast(gen, {"op": "mpshuffle_close_generation", "generation": gen.id})
 
     async def publish_root(self, generation: str, address: str) -> None:
         """Handler: rank 0 of ``generation`` publishes its address."""
@@ -184,22 +250,27 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
     async def get_root(self, generation: str, timeout: float) -> str:
         """Handler: wait (up to ``timeout`` s) for the root address of ``generation``."""
         event = self._root_events.get(generation)
-        if event is None:
+        gen = self.generations.get(generation)
+        if event is None or gen is None:
             raise BootstrapError(f"generation {generation} is not being bootstrapped")
         try:
             await asyncio.wait_for(event.wait(), timeout)
         except asyncio.TimeoutError:
-            gen_workers = sorted(self.scheduler.workers) if self.scheduler else []
-            root = gen_workers[0] if gen_workers else "?"
             raise BootstrapError(
-                f"rank 0 (worker {root}) of generation {generation} did not publish its address "
-                f"within {timeout:g} s"
+                f"rank 0 (worker {gen.workers[0]}) of generation {generation} did not publish "
+                f"its address within {timeout:g} s"
             ) from None
         return self._roots[generation]
 
     # -- runs ------------------------------------------------------------
     async def get_run(self, token: str, npartitions: int, extract_name: str, barrier_name: str) -> dict[str, Any]:
-        """Handler: the run of graph ``token``, created (and pinned) on first call."""
+        """Handler: the run of graph ``token``, created (and pinned) on first call.
+
+        Binds the graph to the current generation (bootstrapping a new one if
+        the workers changed) under a fresh ``op_id``; restricts the graph's
+        pending insert and barrier tasks to the generation's workers and pins
+        each extract task to the worker owning its output partition.
+        """
         assert self.scheduler is not None and self._lock is not None
         async with self._lock:
             run = self.runs.get(token)
@@ -213,21 +284,52 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 return {"error": f"bootstrap phase: {e}"}
             gen = self.generation
             assert gen is not None
+            tasks = self.scheduler.tasks
+            barrier_ts = tasks.get(barrier_name)
+            insert_keys = [dts.key for dts in barrier_ts.dependencies] if barrier_ts is not None else []
             keys = [(extract_name, j) for j in range(npartitions)]
-            run = _Run(token, next(self._ops), gen, npartitions, keys, barrier_name)
+            run = _Run(token, next(self._ops), gen, npartitions, insert_keys, keys, barrier_name)
             self.runs[token] = run
+            self._by_op[run.op_id] = run
+            while len(self._by_op) > _ENDED_RUNS:
+                self._by_op.popitem(last=False)
+            gen.runs.add(run.op_id)
             self._barrier_keys[barrier_name] = token
-            restrictions = {
-                key: gen.workers[partition_owner(j, len(gen.workers))]
-                for j, key in enumerate(keys)
-                if key in self.scheduler.tasks
+            members = set(gen.workers)
+            restrictions: dict[Any, Any] = {
+                key: gen.workers[partition_owner(j, len(gen.workers))] for j, key in enumerate(keys) if key in tasks
             }
+            # Tasks that have not started yet run only on ranks of the generation;
+            # one that already started on another worker is rescheduled by the task itself.
+            for key in [*insert_keys, barrier_name]:
+                ts = tasks.get(key)
+                if ts is not None and ts.state in ("released", "waiting", "no-worker"):
+                    restrictions[key] = members
             self.scheduler.set_restrictions(restrictions)
             return self._describe(run)
 
     @staticmethod
     def _describe(run: _Run) -> dict[str, Any]:
         return {"op_id": run.op_id, "generation": run.generation.id, "workers": list(run.generation.workers)}
+
+    async def run_lost(self, op_id: int, timeout: float) -> dict[str, Any]:
+        """Handler: a task of run ``op_id`` saw a peer go; wait for the scheduler's verdict.
+
+        Returns ``{"restart": True}`` once the run was restarted (the task
+        should be rescheduled), or ``{"restart": False, "alive": [...]}`` if
+        the run was not restarted within ``timeout`` seconds (the lost ranks'
+        workers are still in the cluster, so only their communicators broke).
+        """
+        run = self._by_op.get(op_id)
+        if run is None:
+            return {"restart": False, "alive": []}
+        try:
+            await asyncio.wait_for(run.ended.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        assert self.scheduler is not None
+        alive = [w for w in run.generation.workers if w in self.scheduler.workers]
+        return {"restart": run.restarted, "alive": alive}
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish not in ("released", "forgotten", "erred") or not isinstance(key, str):
@@ -240,42 +342,84 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             return
         self._end_run(run)
 
-    def _end_run(self, run: _Run) -> None:
+    def _forget(self, run: _Run) -> None:
         self.runs.pop(run.token, None)
         self._barrier_keys.pop(run.barrier_key, None)
+        run.generation.runs.discard(run.op_id)
+        run.ended.set()
+
+    def _end_run(self, run: _Run) -> None:
+        self._forget(run)
         self._unpin(run)
         self._broadcast(run.generation, {"op": "mpshuffle_end_run", "op_id": run.op_id, "token": run.token})
+        self._maybe_close(run.generation)
 
     def _unpin(self, run: _Run) -> None:
         assert self.scheduler is not None
-        present = {k: None for k in run.extract_keys if k in self.scheduler.tasks}
+        tasks = self.scheduler.tasks
+        present = {k: None for k in [*run.insert_keys, run.barrier_key, *run.extract_keys] if k in tasks}
         if present:
             self.scheduler.set_restrictions(present)
 
-    def _fail_runs_of(self, gen: _Generation, reason: str) -> None:
-        for run in list(self.runs.values()):
-            if run.generation is gen and run.error is None:
-                run.error = reason
-                self._unpin(run)
-                self._broadcast(
-                    gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": reason}
-                )
+    def _restart(self, run: _Run, reason: str, stimulus_id: str) -> None:
+        """Fail ``run`` on its ranks and release its tasks so that Dask computes it again."""
+        assert self.scheduler is not None
+        tasks = self.scheduler.tasks
+        recs: dict[Any, str] = {}
+        barrier_ts = tasks.get(run.barrier_key)
+        restartable = barrier_ts is not None and barrier_ts.state != "erred"
+        if restartable:
+            assert barrier_ts is not None
+            for dts in barrier_ts.dependents:
+                if dts.state == "erred":
+                    restartable = False
+                recs[dts.key] = "released"
+            recs[barrier_ts.key] = "released"
+            for dts in barrier_ts.dependencies:
+                if dts.state == "erred":
+                    restartable = False
+                recs[dts.key] = "released"
+        run.error = reason
+        run.restarted = restartable
+        self._forget(run)
+        self._unpin(run)
+        self._broadcast(
+            run.generation, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": reason}
+        )
+        if restartable:
+            logger.warning("mpshuffle: restarting shuffle op %d: %s", run.op_id, reason)
+            self.scheduler.transitions(recs, stimulus_id=stimulus_id)
+            self.scheduler.stimulus_queue_slots_maybe_opened(stimulus_id=stimulus_id)
+        self._maybe_close(run.generation)
 
     def _broadcast(self, gen: _Generation, msg: dict[str, Any]) -> None:
         assert self.scheduler is not None
+        if self.scheduler.status.name in ("closing", "closed", "closing_gracefully", "failed"):
+            return  # the workers are going away with their contexts
         workers = [w for w in gen.workers if w in self.scheduler.workers]
         if workers:
             asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=workers, on_error="ignore"))
 
     # -- membership ------------------------------------------------------
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
-        # Picked up by the next run: the worker set no longer matches.
+        # The next run bootstraps a new generation (the worker set no longer
+        # matches); running shuffles keep theirs until they end.
         logger.debug("mpshuffle: worker %s joined; the next shuffle bootstraps a new generation", worker)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        gen = self.generation
-        if gen is None or worker not in gen.workers:
-            return
-        gen.stale = True
-        rank = gen.workers.index(worker)
-        self._fail_runs_of(gen, f"worker {worker} (rank {rank} of generation {gen.id}) left the cluster during the shuffle")
+        stimulus_id = kwargs.get("stimulus_id") or f"mpshuffle-remove-worker-{time.time()}"
+        for gen in list(self.generations.values()):
+            if worker not in gen.workers:
+                continue
+            gen.stale = True
+            rank = gen.workers.index(worker)
+            reason = f"worker {worker} (rank {rank} of generation {gen.id}) left the cluster"
+            for run in [r for r in self.runs.values() if r.generation is gen]:
+                self._restart(run, f"shuffle op {run.op_id}: {reason}", stimulus_id)
+            if self.generation is gen:
+                self.generation = None
+            self._maybe_close(gen)
+
+
+def _describe_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"

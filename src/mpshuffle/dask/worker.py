@@ -1,10 +1,13 @@
-"""The worker plugin: bootstraps this worker's rank and owns its context."""
+"""The worker plugin: bootstraps this worker's ranks and owns their contexts."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from distributed.comm.addressing import get_address_host, parse_address
@@ -14,7 +17,7 @@ from distributed.utils import sync
 from mpshuffle.comm import TcpCommunicator
 from mpshuffle.config import Options
 from mpshuffle.dask.context import RunInfo, WorkerContext
-from mpshuffle.errors import BootstrapError, ShuffleError
+from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -25,23 +28,38 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "mpshuffle"
 
+# Seconds a task waits for the scheduler's answer about a lost peer, past the
+# run's own timeout.
+_VERDICT_GRACE = 5.0
+
 
 class ShuffleWorkerPlugin(WorkerPlugin):
-    """Holds this worker's :class:`WorkerContext` and answers the scheduler plugin.
+    """Holds this worker's :class:`WorkerContext` per generation and answers the scheduler plugin.
 
     Registered on every worker (present and future) by
-    :func:`mpshuffle.dask.bootstrap_dask_cluster`. It adds three handlers to
-    the worker's RPC server, all coroutines that never block the worker's
-    event loop:
+    :func:`mpshuffle.dask.bootstrap_dask_cluster`. It adds four handlers to
+    the worker's RPC server, all coroutines or quick calls that never block
+    the worker's event loop (closing a communicator runs in a thread):
 
     ``mpshuffle_bootstrap(spec)``
         Become rank ``spec["workers"].index(address)`` of a new generation:
         listen, learn the root's address from the scheduler plugin (or
         publish it, on rank 0), connect, and meet the others at the barrier.
+        Contexts of older generations stay open for the runs still using
+        them, until the scheduler closes them.
+    ``mpshuffle_close_generation(generation)``
+        Close a generation's context: its progress thread, sockets, buffers.
     ``mpshuffle_end_run(op_id, token)``
         Free a run's state (it finished or was released).
     ``mpshuffle_fail_run(op_id, token, reason)``
-        Fail a run (a peer left) and free its state.
+        Fail a run (a peer left; the scheduler restarts it) and free its state.
+
+    Attributes
+    ----------
+    context
+        The context of the newest generation this worker is a rank of, or ``None``.
+    contexts
+        Open contexts by generation id.
     """
 
     idempotent = True
@@ -49,43 +67,55 @@ class ShuffleWorkerPlugin(WorkerPlugin):
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
-        self.context: WorkerContext | None = None
+        self.contexts: dict[str, WorkerContext] = {}
+        self.current: str | None = None
         self.runs: dict[str, RunInfo] = {}
         self._bootstrap_lock: asyncio.Lock | None = None
+
+    @property
+    def context(self) -> WorkerContext | None:
+        """The context of the newest generation, or ``None``."""
+        return self.contexts.get(self.current) if self.current else None
 
     def setup(self, worker: Worker) -> None:
         self.worker = worker
         # Created here, not in __init__: the plugin is pickled on its way to the worker.
         self._runs_lock = threading.Lock()
         self._bootstrap_lock = asyncio.Lock()
+        self._failed: dict[int, str] = {}
         worker.handlers["mpshuffle_bootstrap"] = self.bootstrap
+        worker.handlers["mpshuffle_close_generation"] = self.close_generation
         worker.handlers["mpshuffle_end_run"] = self.end_run
         worker.handlers["mpshuffle_fail_run"] = self.fail_run
 
     async def teardown(self, worker: Worker) -> None:
-        for name in ("mpshuffle_bootstrap", "mpshuffle_end_run", "mpshuffle_fail_run"):
-            worker.handlers.pop(name, None)
-        ctx, self.context = self.context, None
-        if ctx is not None:
+        # The other handlers stay: the scheduler may still tell a closing worker
+        # to close or fail something, which is then a no-op.
+        worker.handlers.pop("mpshuffle_bootstrap", None)
+        contexts, self.contexts, self.current = list(self.contexts.values()), {}, None
+        for ctx in contexts:
             await asyncio.to_thread(ctx.close)
 
     # -- handlers (on the worker's event loop) ---------------------------
     async def bootstrap(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Join generation ``spec`` as this worker's rank (RPC handler)."""
+        """Join generation ``spec`` as this worker's rank (RPC handler).
+
+        Raises
+        ------
+        BootstrapError
+            If this worker is not in ``spec``, or some rank did not arrive
+            within the bootstrap timeout (names the ranks and their workers).
+        """
         assert self.worker is not None and self._bootstrap_lock is not None
+        generation = spec["generation"]
         async with self._bootstrap_lock:
-            ctx = self.context
-            if ctx is not None and ctx.generation == spec["generation"]:
-                return {"rank": ctx.rank, "address": ctx.comm.addresses[ctx.rank]}
-            self.context = None
-            with self._runs_lock:
-                self.runs.clear()
+            ctx = self.contexts.get(generation)
             if ctx is not None:
-                await asyncio.to_thread(ctx.close)
+                return {"rank": ctx.rank, "address": ctx.comm.addresses[ctx.rank]}
             workers = tuple(spec["workers"])
             address = self.worker.address
             if address not in workers:
-                raise BootstrapError(f"worker {address} is not in generation {spec['generation']}")
+                raise BootstrapError(f"worker {address} is not in generation {generation}")
             rank = workers.index(address)
             options = Options(**spec["options"])
             scheduler = self.worker.scheduler
@@ -93,7 +123,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             comm = await TcpCommunicator.start(
                 rank,
                 len(workers),
-                generation=spec["generation"],
+                generation=generation,
                 token=spec["token"],
                 listen_address=_listen_address(address),
                 security=self.worker.security,
@@ -101,40 +131,64 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             try:
                 if rank == 0:
                     root = comm.addresses[0]
-                    await scheduler.mpshuffle_publish_root(generation=spec["generation"], address=root)
+                    await scheduler.mpshuffle_publish_root(generation=generation, address=root)
                 else:
-                    root = await scheduler.mpshuffle_get_root(generation=spec["generation"], timeout=timeout)
+                    root = await scheduler.mpshuffle_get_root(generation=generation, timeout=timeout)
                 await comm.rendezvous(root, timeout)
+            except CommTimeoutError as e:
+                await asyncio.to_thread(comm.close)
+                who = ", ".join(f"rank {r} (worker {workers[r]})" for r in e.missing)
+                raise BootstrapError(
+                    f"bootstrap of generation {generation}: {who} did not arrive within {timeout:g} s"
+                ) from None
             except BaseException:
                 await asyncio.to_thread(comm.close)
                 raise
-            self.context = WorkerContext(
+            self.contexts[generation] = WorkerContext(
                 comm,
-                spec["generation"],
+                generation,
                 options,
                 memory_limit=self.worker.memory_manager.memory_limit,
                 local_directory=self.worker.local_directory,
                 workers=workers,
             )
+            self.current = generation
             return {"rank": rank, "address": comm.addresses[rank]}
+
+    async def close_generation(self, generation: str) -> None:
+        """Close generation ``generation`` on this worker (RPC handler); unknown ids are ignored."""
+        ctx = self.contexts.pop(generation, None)
+        if self.current == generation:
+            self.current = None
+        with self._runs_lock:
+            for token, run in list(self.runs.items()):
+                if run.generation == generation:
+                    del self.runs[token]
+        if ctx is not None:
+            await asyncio.to_thread(ctx.close)
 
     def end_run(self, op_id: int, token: str) -> None:
         """Free run ``op_id`` of graph ``token`` on this worker (RPC handler)."""
-        with self._runs_lock:
-            run = self.runs.get(token)
-            if run is not None and run.op_id == op_id:
-                del self.runs[token]
-        if self.context is not None:
-            self.context.end_run(op_id)
+        ctx = self._forget_run(op_id, token)
+        if ctx is not None:
+            ctx.end_run(op_id)
 
     def fail_run(self, op_id: int, token: str, reason: str) -> None:
         """Fail run ``op_id`` of graph ``token`` on this worker (RPC handler)."""
+        self._failed[op_id] = reason
+        ctx = self._forget_run(op_id, token)
+        if ctx is not None:
+            ctx.fail_run(op_id, reason)
+
+    def _forget_run(self, op_id: int, token: str) -> WorkerContext | None:
         with self._runs_lock:
             run = self.runs.get(token)
             if run is not None and run.op_id == op_id:
                 del self.runs[token]
-        if self.context is not None:
-            self.context.fail_run(op_id, reason)
+        for ctx in list(self.contexts.values()):
+            if op_id in ctx.shufflers:
+                return ctx
+        return self.contexts.get(run.generation) if run is not None else self.context
 
     # -- from task threads -------------------------------------------------
     def get_run(self, token: str, npartitions: int, extract_name: str, barrier_name: str) -> RunInfo:
@@ -146,7 +200,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         Raises
         ------
         ShuffleError
-            If the run failed, or this worker is not a rank of its generation.
+            If the run failed.
         """
         assert self.worker is not None
         with self._runs_lock:
@@ -174,22 +228,82 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         return run
 
     def context_for(self, run: RunInfo) -> WorkerContext:
-        """This worker's context, checked to be a rank of ``run``'s generation.
+        """This worker's context of ``run``'s generation.
 
         Raises
         ------
+        Reschedule
+            If this worker is not a rank of the run's generation (it joined
+            after the run started): the scheduler runs the task on a rank.
         ShuffleError
-            If this worker is not a rank of the run's generation.
+            If this worker is a rank of the generation but no longer holds it
+            (it was closed because the run failed).
         """
-        ctx = self.context
-        if ctx is None or ctx.generation != run.generation:
-            assert self.worker is not None
-            raise ShuffleError(
-                f"worker {self.worker.address} is not a rank of generation {run.generation} "
-                f"used by shuffle op {run.op_id} (it joined or was re-bootstrapped after the "
-                "shuffle started)"
+        assert self.worker is not None
+        ctx = self.contexts.get(run.generation)
+        if ctx is not None:
+            return ctx
+        if self.worker.address not in run.workers:
+            from distributed import Reschedule
+
+            raise Reschedule()
+        raise ShuffleError(
+            f"worker {self.worker.address} no longer holds generation {run.generation} "
+            f"of shuffle op {run.op_id} (the run failed or was restarted)"
+        )
+
+    @contextlib.contextmanager
+    def guard(self, name: str, run: RunInfo, ctx: WorkerContext) -> Iterator[None]:
+        """Run one phase of a task of ``run``: restart-aware, with clear errors.
+
+        Inside, errors are labelled with the phase and this rank (see
+        :func:`mpshuffle.errors.phase`). If the run failed because a peer was
+        lost, the task asks the scheduler whether the run was restarted and
+        raises :class:`distributed.Reschedule` if so; otherwise the error names
+        the lost ranks' workers.
+        """
+        where = f"rank {ctx.rank} (worker {ctx.workers[ctx.rank]})"
+        try:
+            with phase(name, where):
+                yield
+        except MPShuffleError as e:
+            if ctx.comm.lost or run.op_id in self._failed:
+                verdict = self._verdict(run, ctx.options.timeout)
+                if verdict.get("restart"):
+                    from distributed import Reschedule
+
+                    raise Reschedule() from None
+            e.args = (_name_workers(str(e), ctx), *e.args[1:])
+            raise
+
+    def _verdict(self, run: RunInfo, timeout: float) -> dict[str, Any]:
+        assert self.worker is not None
+        try:
+            return sync(
+                self.worker.loop,
+                self.worker.scheduler.mpshuffle_run_lost,
+                op_id=run.op_id,
+                timeout=timeout,
+                callback_timeout=timeout + _VERDICT_GRACE,
             )
-        return ctx
+        except Exception:
+            logger.debug("mpshuffle: no verdict from the scheduler on op %d", run.op_id, exc_info=True)
+            return {}
+
+
+_RANK = re.compile(r"rank (\d+) \((?!worker )([^)]*)\)")
+
+
+def _name_workers(message: str, ctx: WorkerContext) -> str:
+    """Name the worker of every ``rank N (address)`` in an error message."""
+
+    def sub(m: re.Match[str]) -> str:
+        r = int(m.group(1))
+        if r < len(ctx.workers):
+            return f"rank {r} (worker {ctx.workers[r]})"
+        return m.group(0)
+
+    return _RANK.sub(sub, message)
 
 
 def _listen_address(worker_address: str) -> str:
