@@ -1,0 +1,307 @@
+"""Sorts of dask DataFrames: range partitioning from sampled quantiles, then a local sort.
+
+1. A sample of the key column (up to ``sample_size`` non-null values per input
+   partition, drawn with pandas' ``Series.sample``) and its global minimum and
+   maximum are computed with Dask — one pass over the input, as Dask's own
+   ``set_index`` and ``sort_values`` make.
+2. Boundaries ``b_0 < ... < b_{k-1}`` are the sample's quantiles at
+   ``i / npartitions``. A value that fills several quantiles (a heavy key)
+   gets a partition of its own: the next larger sampled value becomes a
+   boundary too. So skewed keys spread over several partitions whenever their
+   distinct values allow; one value's rows always stay together.
+3. mpshuffle shuffles the rows with :class:`RangePartitioner` (row ``x`` goes
+   to ``searchsorted(b, x, side="right")``; nulls to the last partition, or
+   the first with ``na_position="first"``) instead of the hash, and each
+   output partition is sorted locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+from dask.base import tokenize
+
+from mpshuffle.dask.dataframe import _warm_up
+from mpshuffle.dask.graph import shuffle_graph
+
+__all__ = ["RangePartitioner", "set_index", "sort_values"]
+
+#: Sampled non-null keys per input partition (at least; see ``_sample_size``).
+DEFAULT_SAMPLE_SIZE = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class RangePartitioner:
+    """Map each row of a pandas frame to its range partition (picklable).
+
+    Attributes
+    ----------
+    column
+        The key column.
+    bounds
+        Sorted, distinct boundaries ``b_0 < ... < b_{k-1}`` (a ``pandas.Index``
+        of the key's dtype); there are ``k + 1`` partitions.
+    ascending
+        ``False`` numbers the partitions from the largest values down.
+    na_first
+        Nulls go to the first partition instead of the last.
+    """
+
+    column: Any
+    bounds: pd.Index
+    ascending: bool = True
+    na_first: bool = False
+
+    @property
+    def npartitions(self) -> int:
+        """Number of output partitions, ``len(bounds) + 1``."""
+        return len(self.bounds) + 1
+
+    def __call__(self, frame: pd.DataFrame) -> np.ndarray:
+        """Return the ``int64`` partition id of each row, shape ``(n,)``."""
+        column = frame[self.column]
+        null = column.isna().to_numpy()
+        ids = np.empty(len(column), dtype=np.int64)
+        ids[null] = 0 if self.na_first else self.npartitions - 1
+        valid = ~null
+        if valid.any():
+            pos = np.asarray(self.bounds.searchsorted(column[valid].array, side="right"), dtype=np.int64)
+            ids[valid] = pos if self.ascending else len(self.bounds) - pos
+        return ids
+
+
+def sort_values(
+    df: dd.DataFrame,
+    by: Hashable | Sequence[Hashable],
+    ascending: bool | Sequence[bool] = True,
+    *,
+    na_position: str = "last",
+    npartitions: int | None = None,
+    sample_size: int = DEFAULT_SAMPLE_SIZE,
+) -> dd.DataFrame:
+    """Sort a dask DataFrame by one or more columns through mpshuffle.
+
+    Parameters
+    ----------
+    df
+        The collection (pandas partitions).
+    by
+        Column name or names; rows are range partitioned on the first, and
+        each output partition is sorted by all of them.
+    ascending
+        One bool, or one per column of ``by`` (as ``pandas.sort_values``).
+    na_position
+        ``"last"`` (default) or ``"first"``: where rows with a null first key go.
+    npartitions
+        Target number of output partitions; by default ``df.npartitions``.
+        Fewer come out when the key has fewer distinct sampled values, a few
+        more when heavy keys get partitions of their own.
+    sample_size
+        Non-null key values sampled per input partition.
+
+    Returns
+    -------
+    dask.dataframe.DataFrame
+        Partitions in order: concatenated, they are sorted by ``by`` (ties in
+        the first key are in one partition). The index travels with the rows;
+        divisions are unknown (the index is not the sort key).
+
+    Raises
+    ------
+    TypeError
+        If ``df`` is not a dask DataFrame.
+    KeyError
+        If a column of ``by`` is missing.
+    ValueError
+        If ``by`` is empty, ``ascending`` has the wrong length, ``na_position``
+        is not ``"first"``/``"last"``, or ``npartitions`` < 1.
+
+    Notes
+    -----
+    The sample is computed eagerly (the input is read once for it and once
+    for the shuffle). See the module docstring for the algorithm.
+    """
+    _check_frame(df, "sort_values")
+    by = _as_list(by)
+    if not by:
+        raise ValueError("sort_values needs at least one column in 'by'")
+    _check_columns(df, by, "sort_values")
+    asc = [bool(ascending)] * len(by) if isinstance(ascending, (bool, np.bool_)) else list(ascending)
+    if len(asc) != len(by):
+        raise ValueError(f"sort_values: ascending has {len(asc)} values for {len(by)} columns of 'by'")
+    if na_position not in ("first", "last"):
+        raise ValueError(f"sort_values: na_position must be 'first' or 'last', got {na_position!r}")
+    df = df.optimize()
+    bounds, _, _ = _boundaries(df, by[0], _target(df, npartitions), sample_size)
+    partitioner = RangePartitioner(by[0], bounds, asc[0], na_position == "first")
+    extract_keys, graph = _range_shuffle(df, partitioner, keep_index=True)
+    name = "mpshuffle-sort-" + tokenize(extract_keys, by, asc, na_position)
+    keys = []
+    for j, key in enumerate(extract_keys):
+        graph[(name, j)] = (_sort_partition, key, by, asc, na_position)
+        keys.append((name, j))
+    return dd.from_graph(graph, df._meta, (None,) * (len(keys) + 1), keys, "mpshuffle-sort")
+
+
+def set_index(
+    df: dd.DataFrame,
+    column: Hashable,
+    *,
+    drop: bool = True,
+    npartitions: int | None = None,
+    sample_size: int = DEFAULT_SAMPLE_SIZE,
+) -> dd.DataFrame:
+    """Make a column the sorted index of a dask DataFrame, with known divisions.
+
+    Parameters
+    ----------
+    df
+        The collection (pandas partitions).
+    column
+        The column that becomes the index.
+    drop
+        Remove the column from the columns (as ``pandas.set_index``).
+    npartitions
+        Target number of output partitions (see :func:`sort_values`).
+    sample_size
+        Non-null key values sampled per input partition.
+
+    Returns
+    -------
+    dask.dataframe.DataFrame
+        Sorted by index, with divisions ``(min, b_0, ..., b_{k-1}, max)``:
+        partition ``i`` holds the index values in ``[div_i, div_{i+1})``, the
+        last one ``[div_{k}, max]``. Null keys go to the last partition,
+        after ``max`` (as pandas sorts them); with only null keys, or no rows,
+        there is one partition and divisions are unknown.
+
+    Raises
+    ------
+    TypeError
+        If ``df`` is not a dask DataFrame.
+    KeyError
+        If ``column`` is missing.
+    ValueError
+        If ``npartitions`` < 1.
+    """
+    _check_frame(df, "set_index")
+    _check_columns(df, [column], "set_index")
+    df = df.optimize()
+    bounds, lo, hi = _boundaries(df, column, _target(df, npartitions), sample_size)
+    partitioner = RangePartitioner(column, bounds)
+    extract_keys, graph = _range_shuffle(df, partitioner, keep_index=False)
+    name = "mpshuffle-set-index-" + tokenize(extract_keys, column, drop)
+    keys = []
+    for j, key in enumerate(extract_keys):
+        graph[(name, j)] = (_set_index_partition, key, column, drop)
+        keys.append((name, j))
+    meta = df._meta.set_index(column, drop=drop)
+    if lo is None:
+        divisions: tuple[Any, ...] = (None,) * (len(keys) + 1)
+    else:
+        divisions = (lo, *bounds.tolist(), hi)
+    return dd.from_graph(graph, meta, divisions, keys, "mpshuffle-set-index")
+
+
+# -- helpers -------------------------------------------------------------
+
+
+def _check_frame(df: Any, what: str) -> None:
+    if not isinstance(df, dd.DataFrame):
+        raise TypeError(f"{what} expects a dask DataFrame, got {type(df).__name__}")
+
+
+def _check_columns(df: dd.DataFrame, columns: list[Any], what: str) -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise KeyError(f"{what}: column(s) {missing!r} not in the DataFrame's columns {list(df.columns)!r}")
+
+
+def _as_list(keys: Any) -> list[Any]:
+    if isinstance(keys, (str, bytes, int)) or not isinstance(keys, Sequence):
+        return [keys]
+    return list(keys)
+
+
+def _target(df: dd.DataFrame, npartitions: int | None) -> int:
+    n = df.npartitions if npartitions is None else int(npartitions)
+    if n < 1:
+        raise ValueError(f"npartitions must be >= 1, got {npartitions}")
+    return n
+
+
+def _sample(part: pd.DataFrame, column: Any, size: int) -> pd.Series:
+    values = part[column].dropna()
+    if len(values) > size:
+        # A fixed seed keeps the boundaries (and so the graph) reproducible.
+        values = values.sample(n=size, random_state=0)
+    return values.reset_index(drop=True)
+
+
+def _boundaries(
+    df: dd.DataFrame, column: Any, npartitions: int, sample_size: int
+) -> tuple[pd.Index, Any, Any]:
+    """Return the range boundaries and the key's global min and max (``None`` if no values)."""
+    key = df[column]
+    meta = df._meta[column].iloc[:0].reset_index(drop=True)
+    sample, lo, hi = dask.compute(
+        df.map_partitions(_sample, column, max(int(sample_size), 1), meta=meta), key.min(), key.max()
+    )
+    sample = sample.sort_values(kind="stable").reset_index(drop=True)
+    empty = pd.Index(meta)
+    if len(sample) == 0 or pd.isna(lo):
+        return empty, None, None
+    m = len(sample)
+    positions = [min(m - 1, (i * m) // npartitions) for i in range(1, npartitions)]
+    candidates = sample.iloc[positions]
+    counts = candidates.value_counts()
+    chosen = set(candidates.tolist())
+    for value in counts.index[counts.to_numpy() > 1]:
+        # A heavy key: give it a partition of its own when a larger value exists.
+        larger = sample[sample > value]
+        if len(larger):
+            chosen.add(larger.iloc[0])
+    bounds = pd.Index(sorted(v for v in chosen if v > lo), dtype=meta.dtype)
+    return bounds, lo, hi
+
+
+def _range_shuffle(
+    df: dd.DataFrame, partitioner: RangePartitioner, keep_index: bool
+) -> tuple[list[Any], dict[Any, Any]]:
+    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
+        raise ValueError(
+            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
+            "or the 'threads' or 'sync' scheduler"
+        )
+    _warm_up()
+    meta = df._meta if keep_index else df._meta.reset_index(drop=True)
+    token = tokenize(df._name, partitioner, keep_index)
+    layer, keys = shuffle_graph(
+        df.__dask_keys__(),
+        on=[partitioner.column],
+        npartitions=partitioner.npartitions,
+        meta=meta,
+        keep_index=keep_index,
+        name="mpshuffle-range",
+        token=token,
+        partitioner=partitioner,
+    )
+    graph = dict(df.__dask_graph__())
+    graph.update(layer)
+    return keys, graph
+
+
+def _sort_partition(frame: pd.DataFrame, by: list[Any], ascending: list[bool], na_position: str) -> pd.DataFrame:
+    """Task: sort one output partition (stable, so equal keys keep their input order)."""
+    return frame.sort_values(by, ascending=ascending, na_position=na_position, kind="stable")
+
+
+def _set_index_partition(frame: pd.DataFrame, column: Any, drop: bool) -> pd.DataFrame:
+    """Task: set and sort the index of one output partition (nulls last)."""
+    return frame.set_index(column, drop=drop).sort_index(kind="stable", na_position="last")
