@@ -21,11 +21,12 @@ import multiprocessing
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from dask.base import tokenize
 
 from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.errors import ShuffleError, phase
-from mpshuffle.table import get_adapter, partition_owner
+from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 
@@ -50,6 +51,10 @@ class ShuffleSpec:
         Key names of the graph's three kinds of task.
     keep_index
         Whether a pandas index travels with the rows.
+    partitioner
+        ``None`` (hash partitioning of ``on``), or a picklable callable
+        ``partitioner(frame) -> int64 ids`` (shape ``(n,)``, values in
+        ``[0, npartitions)``) that replaces the hash, e.g. a range partitioner.
     """
 
     token: str
@@ -60,6 +65,7 @@ class ShuffleSpec:
     barrier_name: str
     extract_name: str
     keep_index: bool = False
+    partitioner: Any = None
 
 
 def shuffle_graph(
@@ -71,6 +77,7 @@ def shuffle_graph(
     keep_index: bool = False,
     name: str = "mpshuffle",
     token: str | None = None,
+    partitioner: Any = None,
 ) -> tuple[dict[Any, Any], list[Any]]:
     """Build the tasks of a shuffle over a collection of frames.
 
@@ -90,6 +97,10 @@ def shuffle_graph(
         Prefix of the task keys.
     token
         Token for the keys; by default one from the arguments.
+    partitioner
+        Optional picklable callable mapping an input frame to the ``int64``
+        output partition id of each row (shape ``(n,)``, values in
+        ``[0, npartitions)``); by default rows are hash partitioned on ``on``.
 
     Returns
     -------
@@ -120,7 +131,7 @@ def shuffle_graph(
     npartitions = int(npartitions)
     get_adapter(meta)  # raises TypeError for unsupported frame types
     input_keys = list(input_keys)
-    token = token or tokenize(input_keys, on, npartitions, keep_index, name)
+    token = token or tokenize(input_keys, on, npartitions, keep_index, name, partitioner)
     spec = ShuffleSpec(
         token=token,
         on=on,
@@ -130,6 +141,7 @@ def shuffle_graph(
         barrier_name=f"{name}-barrier-{token}",
         extract_name=f"{name}-extract-{token}",
         keep_index=keep_index,
+        partitioner=partitioner,
     )
     graph: dict[Any, Any] = {}
     insert_keys = []
@@ -218,10 +230,25 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
     return {"op_id": run.op_id, "generation": run.generation}
 
 
+def _with_index(adapter: Any, spec: ShuffleSpec) -> Any:
+    if spec.keep_index and isinstance(adapter, PandasAdapter):
+        return PandasAdapter(index=True)
+    return adapter
+
+
 def _split(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
-    if spec.keep_index and hasattr(adapter, "with_index"):
-        adapter = adapter.with_index(True)
-    return adapter.split(frame, list(spec.on), spec.npartitions)
+    adapter = _with_index(adapter, spec)
+    if spec.partitioner is None:
+        return adapter.split(frame, list(spec.on), spec.npartitions)
+    ids = np.asarray(spec.partitioner(frame), dtype=np.int64)
+    if ids.shape != (adapter.num_rows(frame),) or (
+        len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= spec.npartitions)
+    ):
+        raise ShuffleError(
+            f"the partitioner {spec.partitioner!r} returned ids of shape {ids.shape} outside "
+            f"[0, {spec.npartitions}) for a frame of {adapter.num_rows(frame)} rows"
+        )
+    return adapter.split(frame, list(spec.on), spec.npartitions, ids=ids)
 
 
 def _check_columns(adapter: Any, frame: Any, spec: ShuffleSpec, input_index: int) -> None:
@@ -274,9 +301,7 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
             ctx = runtime.context_for(run)
     else:
         ctx = runtime.context
-    adapter = get_adapter(spec.meta)
-    if spec.keep_index and hasattr(adapter, "with_index"):
-        adapter = adapter.with_index(True)
+    adapter = _with_index(get_adapter(spec.meta), spec)
     with _guard(runtime, "extract", run, ctx):
         pieces = ctx.shuffler(op_id).extract(partition_id, ctx.options.timeout)
         out = adapter.unpack(pieces, spec.meta)

@@ -1,0 +1,150 @@
+"""End-to-end shuffles of dask collections on a LocalCluster and in one process."""
+
+from __future__ import annotations
+
+import itertools
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from distributed import Client, wait
+
+from conftest import worker_state
+from mpshuffle.dask import shuffle, shuffle_graph
+from mpshuffle.table import partition_ids
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    return df.sort_values(list(df.columns)).reset_index(drop=True)
+
+
+def _check(inp: pd.DataFrame, parts: list[pd.DataFrame], on: list[str]) -> None:
+    """Same row multiset; each key in exactly one partition, the one its hash names."""
+    out = pd.concat(parts, ignore_index=True)
+    pd.testing.assert_frame_equal(_sorted(out), _sorted(inp.reset_index(drop=True)))
+    keysets = [set(map(tuple, p[on].itertuples(index=False))) for p in parts]
+    for a, b in itertools.combinations(keysets, 2):
+        assert not (a & b)
+    for j, p in enumerate(parts):
+        if len(p):
+            assert set(partition_ids(p[on], len(parts))) == {j}
+
+
+def test_seed_example_timeseries(client: Client) -> None:
+    """The seed's own example on CPU: timeseries shuffled on name."""
+    df = dask.datasets.timeseries(end="2000-01-05", freq="10s", seed=1).reset_index(drop=True)
+    out = shuffle(df, ["name"])
+    parts = [p for p in client.compute(out.to_delayed(), sync=True)]
+    assert len(parts) == df.npartitions
+    _check(df.compute(), parts, ["name"])
+    assert all(s["shufflers"] == [] for s in client.run(worker_state).values())
+
+
+def test_keeps_index_and_dtypes(client: Client) -> None:
+    pdf = pd.DataFrame(
+        {
+            "k": np.arange(1000) % 37,
+            "f": np.linspace(0, 1, 1000),
+            "s": pd.array([f"v{i % 11}" for i in range(1000)], dtype="str"),
+            "c": pd.Categorical(["a", "b", "c", "d"] * 250),
+        },
+        index=pd.Index(np.arange(1000) * 3, name="idx"),
+    )
+    df = dd.from_pandas(pdf, npartitions=5)
+    out = shuffle(df, "k", npartitions=3)
+    res = out.compute()
+    expected = df.compute()  # Dask's own dtypes (it turns str into string[pyarrow])
+    assert list(res.dtypes) == list(expected.dtypes) == list(out._meta.dtypes)
+    assert res.index.name == "idx"
+    pd.testing.assert_frame_equal(res.sort_index(), expected)
+
+
+def test_ignore_index_and_more_partitions(client: Client) -> None:
+    pdf = pd.DataFrame({"a": np.arange(300) % 7, "b": np.arange(300)})
+    df = dd.from_pandas(pdf, npartitions=3)
+    out = shuffle(df, ["a"], npartitions=11, ignore_index=True)
+    parts = client.compute(out.to_delayed(), sync=True)
+    assert len(parts) == 11
+    _check(pdf, parts, ["a"])
+
+
+def test_output_order_is_input_partition_then_position(client: Client) -> None:
+    pdf = pd.DataFrame({"k": [1, 2, 1, 2, 1, 2, 1, 2], "pos": range(8)})
+    df = dd.from_pandas(pdf, npartitions=4, sort=False)
+    out = shuffle(df, "k", npartitions=2, ignore_index=True)
+    for part in client.compute(out.to_delayed(), sync=True):
+        for _k, g in part.groupby("k"):
+            assert list(g["pos"]) == sorted(g["pos"])
+    # and the same on a second computation
+    first = out.compute()
+    second = out.compute()
+    pd.testing.assert_frame_equal(first, second)
+
+
+def test_extracts_run_on_owner_and_state_is_freed(client: Client) -> None:
+    pdf = pd.DataFrame({"k": np.arange(500) % 13, "v": np.arange(500)})
+    df = dd.from_pandas(pdf, npartitions=4)
+    out = shuffle(df, "k", npartitions=6).persist()
+    wait(out)
+    who = client.who_has(out)
+    ranks = client.run(lambda dask_worker: dask_worker.plugins["mpshuffle"].context.rank)
+    owner_of = {r: w for w, r in ranks.items()}
+    for key, workers in who.items():
+        j = key[1] if isinstance(key, tuple) else None
+        if j is not None:
+            assert list(workers) == [owner_of[j % len(ranks)]]
+    del out
+    state = client.run(worker_state)
+    assert all(s["shufflers"] == [] for s in state.values())
+    assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.plugins["mpshuffle"].runs)) == 0
+
+
+def test_pyarrow_collection_through_shuffle_graph(client: Client) -> None:
+    def make(i: int) -> pa.Table:
+        return pa.table({"key": pa.array(np.arange(i * 100, i * 100 + 100) % 17), "val": pa.array(np.arange(100) * 1.0)})
+
+    tables = [make(i) for i in range(4)]
+    inputs = [dask.delayed(make)(i) for i in range(4)]
+    graph, keys = shuffle_graph(
+        [d.key for d in inputs], on=["key"], npartitions=5, meta=tables[0].schema.empty_table()
+    )
+    for d in inputs:
+        graph.update(d.__dask_graph__())
+    parts = client.get(graph, keys)
+    assert all(isinstance(p, pa.Table) for p in parts)
+    inp = pa.concat_tables(tables).to_pandas()
+    _check(inp, [p.to_pandas() for p in parts], ["key"])
+
+
+def test_bad_input_is_rejected_at_graph_build_time() -> None:
+    df = dd.from_pandas(pd.DataFrame({"a": [1, 2], "b": [3, 4]}), npartitions=1)
+    with pytest.raises(KeyError, match="'nope'"):
+        shuffle(df, "nope")
+    with pytest.raises(KeyError, match="'zz'"):
+        shuffle(df, ["a", "zz"])
+    with pytest.raises(ValueError, match="at least one key column"):
+        shuffle(df, [])
+    with pytest.raises(ValueError, match="npartitions"):
+        shuffle(df, "a", npartitions=0)
+
+
+def test_local_scheduler_without_client() -> None:
+    pdf = pd.DataFrame({"k": np.arange(400) % 9, "v": np.arange(400)})
+    df = dd.from_pandas(pdf, npartitions=4)
+    for scheduler in ("sync", "threads"):
+        with dask.config.set(scheduler=scheduler):
+            out = shuffle(df, "k", npartitions=3, ignore_index=True)
+            parts = list(dask.compute(*out.to_delayed()))
+            _check(pdf, parts, ["k"])
+            again = out.compute()
+            pd.testing.assert_frame_equal(_sorted(again), _sorted(pdf))
+
+
+def test_multiprocessing_scheduler_is_refused() -> None:
+    df = dd.from_pandas(pd.DataFrame({"a": [1, 2]}), npartitions=1)
+    with dask.config.set(scheduler="processes"):
+        with pytest.raises(ValueError, match="multiprocessing"):
+            shuffle(df, "a")
