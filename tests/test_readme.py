@@ -1,0 +1,42 @@
+"""The README's code runs as written, and .ci/run runs the README's test command."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def test_readme_opens_with_the_two_commands() -> None:
+    first = _blocks("bash")[0].strip().splitlines()
+    assert len(first) == 2
+    assert first[0].endswith("mpshuffle demo")
+    assert "pytest" in first[1]
+    assert README.index("```bash") < README.index("```python")
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    test_command = _blocks("bash")[0].strip().splitlines()[1]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_command in ci
+
+
+def test_readme_usage_runs(tmp_path: Path) -> None:
+    usage, options = _blocks("python")[:2]
+    # The options example continues the usage example inside its `with` block.
+    program = usage + textwrap.indent(options, " " * 8)
+    script = tmp_path / "usage.py"
+    script.write_text(program)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sizes = eval(proc.stdout.strip().splitlines()[0])
+    assert len(sizes) == 8 and sum(sizes) > 0
