@@ -105,8 +105,22 @@ def _warm_up() -> None:
         return
     if client.asynchronous or client.status != "running":
         return
-    from mpshuffle.dask.bootstrap import bootstrap_dask_cluster
+    import dataclasses
 
-    bootstrap_dask_cluster(client)
+    from mpshuffle.config import resolve_options
+    from mpshuffle.dask.bootstrap import register_plugins
+
+    register_plugins(client)
+    # Options resolved here only seed the first generation: one the user
+    # bootstrapped with keyword arguments (spill_host=...) must be kept, not
+    # replaced by one with the dask.config defaults.
+    client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(resolve_options()))
+
+
+async def _warm_up_generation(options: dict[str, Any], dask_scheduler: Any = None) -> dict[str, Any]:
+    from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
+
+    plugin = dask_scheduler.plugins[ShuffleSchedulerPlugin.name]
+    return await plugin.ensure_generation(None if plugin.generation is not None else options)
 
 
