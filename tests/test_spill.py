@@ -1,0 +1,171 @@
+"""Shuffles under a tiny host budget: correct, they spill, and leave no spill file behind."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import worker_state
+
+from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
+from mpshuffle.dask.context import LocalRuntime
+from mpshuffle.errors import ShuffleError, SpillError
+
+NROWS = 60_000
+
+
+def _frame(nrows: int = NROWS) -> pd.DataFrame:
+    rng = np.random.default_rng(42)
+    return pd.DataFrame(
+        {
+            "k": rng.integers(0, 5_000, nrows),
+            "x": rng.random(nrows),
+            "s": [f"row-{i}" for i in range(nrows)],
+        }
+    )
+
+
+def _check_shuffled(parts: list[pd.DataFrame], pdf: pd.DataFrame) -> None:
+    """Same multiset of rows (and dtypes) as ``pdf``, and every key in exactly one partition."""
+    out = pd.concat(parts, ignore_index=True)
+    cols = list(pdf.columns)
+    assert len(out) == len(pdf)
+    assert out.dtypes.to_dict() == pdf.dtypes.to_dict()
+    a = out.sort_values(cols).reset_index(drop=True)
+    b = pdf.sort_values(cols).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+    owners: dict[Any, set[int]] = collections.defaultdict(set)
+    for i, part in enumerate(parts):
+        for k in part["k"].unique():
+            owners[k].add(i)
+    assert all(len(v) == 1 for v in owners.values())
+    assert sum(1 for p in parts if len(p)) > 1
+
+
+# -- local (no distributed Client) ---------------------------------------
+
+
+@pytest.fixture
+def local_runtime(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalRuntime]:
+    """A fresh single-process runtime with a 64 KiB host budget spilling into tmp_path."""
+    with dask.config.set(
+        {"scheduler": "sync", "mpshuffle.spill_host": 64 * 2**10, "mpshuffle.spill_dir": str(tmp_path)}
+    ):
+        runtime = LocalRuntime()
+        monkeypatch.setattr(graph, "_LOCAL", runtime)
+        yield runtime
+        runtime.context.close()
+
+
+def test_local_shuffle_with_tiny_budget_spills_and_is_correct(local_runtime: LocalRuntime, tmp_path: Any) -> None:
+    pdf = _frame()
+    df = dd.from_pandas(pdf, npartitions=6)
+    out = shuffle(df, "k", npartitions=5)
+    parts = list(dask.compute(*out.to_delayed()))
+    _check_shuffled(parts, df.compute())
+    ctx = local_runtime.context
+    (op_id, stats), = list(ctx.history)
+    assert stats["bytes_spilled"] > 0
+    assert stats["bytes_unspilled"] == stats["bytes_spilled"]
+    assert stats["bytes_received"] == stats["bytes_inserted"] > stats["bytes_spilled"] * 0.5
+    assert ctx.shufflers == {}
+    assert os.listdir(tmp_path) == []
+
+
+def test_local_disk_full_raises_spill_error_and_removes_files(
+    local_runtime: LocalRuntime, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mpshuffle.memory import spill as spill_module
+
+    real = spill_module._write_all
+    calls = {"n": 0}
+
+    def fills_up(f: Any, view: memoryview) -> None:
+        # The first spills succeed, then the disk is full.
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, view)
+
+    monkeypatch.setattr(spill_module, "_write_all", fills_up)
+    df = dd.from_pandas(_frame(), npartitions=6)
+    with pytest.raises(SpillError) as info:
+        shuffle(df, "k", npartitions=5).compute()
+    msg = str(info.value)
+    assert "disk is full" in msg
+    assert "rank 0 (worker local)" in msg
+    assert str(tmp_path) in msg
+    assert calls["n"] == 4
+    assert os.listdir(tmp_path) == []
+
+
+# -- on a LocalCluster ----------------------------------------------------
+
+
+def _all_spill_dirs(client: Any) -> dict[str, list[str]]:
+    return {w: s["spill"] for w, s in client.run(worker_state).items()}
+
+
+def test_cluster_shuffle_with_1mib_budget_spills_and_cleans_up(client: Any) -> None:
+    gen = bootstrap_dask_cluster(client, spill_host=2**20)
+    pdf = _frame(200_000)
+    df = dd.from_pandas(pdf, npartitions=8)
+    out = shuffle(df, "k", npartitions=6)
+    parts = client.gather(client.compute(out.to_delayed()))
+    _check_shuffled(parts, df.compute())
+
+    stats = gather_statistics(client)
+    assert sorted(stats) == sorted(gen.ranks)
+    runs = [run for per_worker in stats.values() for run in per_worker if run["generation"] == gen.id]
+    last = max(run["op_id"] for run in runs)
+    mine = [run for run in runs if run["op_id"] == last]
+    assert sorted(run["rank"] for run in mine) == [0, 1]
+    assert sum(run["bytes_spilled"] for run in mine) > 0
+    assert all(run["bytes_unspilled"] == run["bytes_spilled"] for run in mine)
+    # What every rank inserted was received somewhere.
+    assert sum(r["bytes_inserted"] for r in mine) == sum(r["bytes_received"] for r in mine)
+
+    state = client.run(worker_state)
+    assert all(s["spill"] == [] and s["shufflers"] == [] for s in state.values()), state
+
+
+def _inject_disk_full(dask_worker: Any) -> None:
+    from mpshuffle.memory import spill as spill_module
+
+    def full(f: Any, view: memoryview) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    spill_module._real_write_all = spill_module._write_all  # type: ignore[attr-defined]
+    spill_module._write_all = full
+
+
+def _restore_disk(dask_worker: Any) -> None:
+    from mpshuffle.memory import spill as spill_module
+
+    spill_module._write_all = spill_module._real_write_all  # type: ignore[attr-defined]
+
+
+def test_cluster_disk_full_names_worker_and_directory(client: Any) -> None:
+    bootstrap_dask_cluster(client, spill_host=2**20)
+    client.run(_inject_disk_full)
+    try:
+        df = dd.from_pandas(_frame(200_000), npartitions=8)
+        with pytest.raises(ShuffleError) as info:
+            shuffle(df, "k", npartitions=6).compute()
+    finally:
+        client.run(_restore_disk)
+    msg = str(info.value)
+    assert "disk is full" in msg
+    assert any(f"(worker {w})" in msg for w in client.scheduler_info()["workers"]), msg
+    assert "mpshuffle-" in msg
+    # The failed run's files and state are gone on every worker.
+    state = client.run(worker_state)
+    assert all(s["spill"] == [] for s in state.values()), state
