@@ -118,10 +118,17 @@ def register_plugins(client: Client) -> Any:
     return client.sync(_register, client)
 
 
-def get_worker_context() -> WorkerContext:
-    """This worker's rank, communicator and shufflers.
+def get_worker_context(worker: Any = None) -> WorkerContext:
+    """This worker's rank, communicator and shufflers (of its newest generation).
 
-    Call on a worker (in a task or ``client.run``).
+    Call on a worker: in a task, or in ``client.run`` passing the worker
+    (``client.run(lambda dask_worker: get_worker_context(dask_worker))``),
+    since :func:`distributed.get_worker` only knows the worker inside tasks.
+
+    Parameters
+    ----------
+    worker
+        The :class:`distributed.Worker`; by default :func:`distributed.get_worker`.
 
     Returns
     -------
@@ -134,9 +141,10 @@ def get_worker_context() -> WorkerContext:
     MPShuffleError
         If this worker has not been bootstrapped.
     """
-    from distributed import get_worker
+    if worker is None:
+        from distributed import get_worker
 
-    worker = get_worker()
+        worker = get_worker()
     plugin = worker.plugins.get(PLUGIN_NAME)
     ctx = getattr(plugin, "context", None)
     if ctx is None:

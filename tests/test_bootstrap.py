@@ -1,0 +1,75 @@
+"""Core bootstrap behaviour on a LocalCluster of 2 worker processes."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client
+
+from conftest import worker_state
+from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context
+from mpshuffle.errors import MPShuffleError, OptionError
+
+
+def _scheduler_state(dask_scheduler):  # type: ignore[no-untyped-def]
+    plugin = dask_scheduler.plugins["mpshuffle"]
+    return {
+        "tasks": len(dask_scheduler.tasks),
+        "generation": plugin.generation.id if plugin.generation else None,
+        "generations": sorted(plugin.generations),
+        "runs": len(plugin.runs),
+    }
+
+
+def _rank_info(dask_worker):  # type: ignore[no-untyped-def]
+    ctx = get_worker_context(dask_worker)
+    return {"rank": ctx.rank, "nranks": ctx.nranks, "generation": ctx.generation, "workers": list(ctx.workers)}
+
+
+def test_ranks_follow_sorted_worker_addresses(client: Client) -> None:
+    gen = bootstrap_dask_cluster(client)
+    workers = sorted(client.scheduler_info()["workers"])
+    assert gen.nranks == len(workers) == 2
+    assert gen.ranks == {w: r for r, w in enumerate(workers)}
+    info = client.run(_rank_info)
+    assert {w: i["rank"] for w, i in info.items()} == gen.ranks
+    assert {i["generation"] for i in info.values()} == {gen.id}
+    assert all(i["nranks"] == 2 and i["workers"] == workers for i in info.values())
+    # In a task, the worker is found on its own.
+    ranks = client.gather([client.submit(lambda: get_worker_context().rank, workers=[w], pure=False) for w in workers])
+    assert ranks == [0, 1]
+
+
+def test_second_call_reuses_the_generation(client: Client) -> None:
+    first = bootstrap_dask_cluster(client)
+    again = bootstrap_dask_cluster(client)
+    assert again.id == first.id
+    assert again.bootstrapped is False
+    with Client(client.cluster) as other:
+        assert bootstrap_dask_cluster(other).id == first.id
+
+
+def test_bootstrap_leaves_no_task_and_no_future(client: Client) -> None:
+    bootstrap_dask_cluster(client)
+    state = client.run_on_scheduler(_scheduler_state)
+    assert state["tasks"] == 0
+    assert state["runs"] == 0
+    assert state["generations"] == [state["generation"]]
+    assert not client.futures
+    threads = {w: s["threads"] for w, s in client.run(worker_state).items()}
+    assert all(t == [f"mpshuffle-progress-{state['generation']}-r{r}"] for r, t in enumerate(
+        threads[w] for w in sorted(threads)
+    ))
+
+
+def test_get_worker_context_outside_a_worker() -> None:
+    with pytest.raises(ValueError):
+        get_worker_context()
+
+
+def test_bad_options_are_named(client: Client) -> None:
+    with pytest.raises(OptionError, match="bootstrap_timeout"):
+        bootstrap_dask_cluster(client, bootstrap_timeout=-1)
+    with pytest.raises(OptionError, match="unknown mpshuffle option"):
+        bootstrap_dask_cluster(client, timeot=3)
+    with pytest.raises(MPShuffleError, match="local"):
+        bootstrap_dask_cluster(client, comm="local")
