@@ -16,6 +16,11 @@ from mpshuffle.errors import (
 
 __version__ = "0.1.0"
 
+# ``df.mpshuffle`` on dask DataFrames, registered once dask.dataframe is imported.
+from mpshuffle import _accessor_hook  # noqa: E402
+
+_accessor_hook.install()
+
 __all__ = [
     "BootstrapError",
     "CommError",
