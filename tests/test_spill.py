@@ -169,3 +169,22 @@ def test_cluster_disk_full_names_worker_and_directory(client: Any) -> None:
     # The failed run's files and state are gone on every worker.
     state = client.run(worker_state)
     assert all(s["spill"] == [] for s in state.values()), state
+
+
+def test_closing_the_worker_context_removes_spill_files_of_running_shuffles(tmp_path: Any) -> None:
+    from mpshuffle.comm import LocalCommunicator
+    from mpshuffle.config import resolve_options
+    from mpshuffle.dask.context import WorkerContext
+    from mpshuffle.table import get_adapter
+
+    options = resolve_options(comm="local", spill_host=1024, spill_dir=str(tmp_path))
+    ctx = WorkerContext(LocalCommunicator(), "gen1", options, workers=("w0",))
+    pdf = _frame(5_000)
+    pieces = get_adapter(pdf).split(pdf, ["k"], 3)
+    s = ctx.shuffler(4)
+    s.insert(0, pieces, timeout=10)  # inserted, never extracted: the run is still open
+    assert os.listdir(tmp_path) == ["mpshuffle-gen1-op4-r0"]
+    assert s.postbox.nbytes_spilled > 0
+    ctx.close()  # what the worker plugin's teardown does when the worker closes
+    assert os.listdir(tmp_path) == []
+    assert ctx.shufflers == {} and s.closed
