@@ -1,0 +1,507 @@
+"""Device-resident tables: columns as CuPy arrays, hashed, split and packed on the device.
+
+:class:`DeviceTable` is a minimal columnar table whose columns are 1-D arrays
+of one array module: CuPy for device tables (the point of this module), NumPy
+as a host twin that runs the very same code path (used by the tests that run
+without a GPU and as the unspilled form of spilled pieces). Fixed-width
+dtypes only: ``bool``, signed and unsigned integers, ``float32``/``float64``.
+
+Everything here stays on the device of the input: the hash, the partition
+ids, the stable partition order (a radix argsort of narrow ids), the gather
+of every column and the packed buffers. The only device-to-host transfer is
+the per-partition row counts (``npartitions`` integers), needed to size the
+pieces.
+
+The hash is the one of :mod:`mpshuffle.table.hashing`, so a key gets the same
+partition id in a device table, a pandas frame and an Arrow table:
+integers and ``bool`` are hashed as ``int64``, floats as ``float64`` with
+``-0.0`` made ``0.0`` and ``NaN`` hashed as :data:`NULL_HASH`; the 8 bytes go
+through the splitmix64 finalizer that :func:`pandas.util.hash_array` applies
+to numeric arrays (Steele, Lea, Flood, "Fast splittable pseudorandom number
+generators", OOPSLA 2014, with the constants of Stafford's "Mix13"); columns
+combine as ``acc = acc * 0x9E3779B97F4A7C15 ^ h``.
+
+This module imports neither CuPy nor NumPy-only code at import time that
+needs a GPU; :func:`register_device_adapter` registers the adapter when CuPy
+imports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mpshuffle.errors import ShuffleError
+from mpshuffle.table.base import FrameAdapter, register_adapter
+from mpshuffle.table.hashing import COMBINE_MULTIPLIER, NULL_HASH
+from mpshuffle.table.packed import PackedData
+
+__all__ = [
+    "DeviceAdapter",
+    "DeviceTable",
+    "array_module",
+    "hash_columns",
+    "partition_order",
+    "register_device_adapter",
+]
+
+# Byte alignment of every column inside a packed piece: the widest supported
+# dtype is 8 bytes; 64 keeps pieces cache-line aligned like the spill format.
+_ALIGN = 64
+_KINDS = "biuf"
+_FORMAT = "mpshuffle-device-1"
+
+_MIX_1 = 0xBF58476D1CE4E5B9
+_MIX_2 = 0x94D049BB133111EB
+
+
+def array_module(array: Any) -> Any:
+    """Return the array module (``numpy`` or ``cupy``) of ``array``.
+
+    CuPy is imported only if ``array`` is not a NumPy array.
+    """
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy
+
+    return cupy.get_array_module(array)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class DeviceTable:
+    """Columns of equal length, each a 1-D CuPy (or NumPy) array of a fixed-width dtype.
+
+    Parameters
+    ----------
+    columns
+        ``{name: array}``; names are strings; arrays 1-D, all of one array
+        module and of one length, dtypes ``bool``, ``int8..int64``,
+        ``uint8..uint64``, ``float32`` or ``float64``. Not copied.
+
+    Raises
+    ------
+    TypeError
+        For a non-string name, a non-array, a mix of array modules or an
+        unsupported dtype (the message names the column).
+    ValueError
+        For a column that is not 1-D or of another length than the first.
+    """
+
+    columns: dict[str, Any]
+    xp: Any
+
+    def __init__(self, columns: Mapping[str, Any]) -> None:
+        self.columns = dict(columns)
+        self.xp = np
+        nrows: int | None = None
+        modules = set()
+        for name, col in self.columns.items():
+            if not isinstance(name, str):
+                raise TypeError(f"DeviceTable column names must be str, got {name!r}")
+            if not hasattr(col, "dtype") or not hasattr(col, "shape"):
+                raise TypeError(f"DeviceTable column {name!r} is a {type(col).__name__}, not an array")
+            if col.dtype.kind not in _KINDS:
+                raise TypeError(
+                    f"DeviceTable column {name!r} has dtype {col.dtype}; only bool, integer and "
+                    "float dtypes are supported"
+                )
+            if col.ndim != 1:
+                raise ValueError(f"DeviceTable column {name!r} must be 1-D, got shape {col.shape}")
+            if nrows is None:
+                nrows = int(col.shape[0])
+            elif col.shape[0] != nrows:
+                raise ValueError(
+                    f"DeviceTable column {name!r} has {col.shape[0]} rows, the first column {nrows}"
+                )
+            modules.add(array_module(col))
+        if len(modules) > 1:
+            raise TypeError("DeviceTable columns mix NumPy and CuPy arrays")
+        if modules:
+            self.xp = modules.pop()
+        self._nrows = nrows or 0
+
+    @property
+    def nrows(self) -> int:
+        """Number of rows."""
+        return self._nrows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the columns."""
+        return sum(int(c.nbytes) for c in self.columns.values())
+
+    @property
+    def names(self) -> list[str]:
+        """Column names, in order."""
+        return list(self.columns)
+
+    @property
+    def dtypes(self) -> dict[str, np.dtype[Any]]:
+        """``{name: numpy.dtype}``."""
+        return {k: np.dtype(v.dtype) for k, v in self.columns.items()}
+
+    def empty_like(self) -> DeviceTable:
+        """A 0-row table with the same columns, dtypes and array module."""
+        return DeviceTable({k: self.xp.empty(0, dtype=v.dtype) for k, v in self.columns.items()})
+
+    def to_host(self) -> DeviceTable:
+        """A NumPy copy of the table (a device-to-host copy of every column)."""
+        if self.xp is np:
+            return self
+        return DeviceTable({k: v.get() for k, v in self.columns.items()})
+
+    def to_pandas(self) -> Any:
+        """A ``pandas.DataFrame`` copy on the host (for checks and small data)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.to_host().columns)
+
+    @classmethod
+    def from_pandas(cls, df: Any, *, device: bool = True) -> DeviceTable:
+        """Copy a pandas frame's columns to the device (or keep NumPy copies).
+
+        Parameters
+        ----------
+        df
+            A ``pandas.DataFrame`` of supported dtypes with string column names.
+        device
+            ``True``: CuPy arrays on the current device; ``False``: NumPy arrays.
+        """
+        cols = {k: np.ascontiguousarray(df[k].to_numpy()) for k in df.columns}
+        if device:
+            import cupy
+
+            cols = {k: cupy.asarray(v) for k, v in cols.items()}
+        return cls(cols)
+
+    def __repr__(self) -> str:
+        where = "device" if self.xp is not np else "host"
+        return f"DeviceTable({self.nrows} rows, {self.dtypes}, on {where})"
+
+
+# -- hashing ---------------------------------------------------------------
+
+
+_mix_kernel_cache: list[Any] = []
+
+
+def _mix64(xp: Any, u: Any) -> Any:
+    """The splitmix64 finalizer of every ``uint64`` of ``u`` (``u`` may be overwritten)."""
+    if xp is np:
+        u ^= u >> np.uint64(30)
+        u *= np.uint64(_MIX_1)
+        u ^= u >> np.uint64(27)
+        u *= np.uint64(_MIX_2)
+        u ^= u >> np.uint64(31)
+        return u
+    if not _mix_kernel_cache:
+        # One fused pass instead of five full-array kernels.
+        _mix_kernel_cache.append(
+            xp.ElementwiseKernel(
+                "uint64 x",
+                "uint64 y",
+                f"""
+                unsigned long long v = x;
+                v ^= v >> 30; v *= {_MIX_1}ULL;
+                v ^= v >> 27; v *= {_MIX_2}ULL;
+                v ^= v >> 31; y = v;
+                """,
+                "mpshuffle_mix64",
+            )
+        )
+    return _mix_kernel_cache[0](u, u)
+
+
+def _hash_column(xp: Any, col: Any) -> Any:
+    kind = col.dtype.kind
+    if kind == "f":
+        f = col.astype(np.float64)
+        # -0.0 == 0.0, so this maps -0.0 to +0.0 and leaves NaN as NaN.
+        f = xp.where(f == 0, 0.0, f)
+        nan = xp.isnan(f)
+        h = _mix64(xp, f.view(np.uint64).copy())
+        return xp.where(nan, np.uint64(NULL_HASH), h)
+    return _mix64(xp, col.astype(np.int64).view(np.uint64).copy())
+
+
+def hash_columns(columns: Sequence[Any]) -> Any:
+    """Hash key columns row-wise on their device, as :mod:`mpshuffle.table.hashing` does.
+
+    Parameters
+    ----------
+    columns
+        Key columns in key order, each 1-D of length ``n``, of one array module.
+
+    Returns
+    -------
+    array
+        ``uint64``, shape ``(n,)``, on the columns' device.
+
+    Raises
+    ------
+    ValueError
+        If ``columns`` is empty.
+    """
+    if not columns:
+        raise ValueError("at least one key column is needed to hash-partition")
+    xp = array_module(columns[0])
+    acc = _hash_column(xp, columns[0])
+    for col in columns[1:]:
+        acc *= np.uint64(COMBINE_MULTIPLIER)
+        acc ^= _hash_column(xp, col)
+    return acc
+
+
+def _narrow_dtype(nvalues: int) -> Any:
+    # Radix sorts do one pass per key byte: the narrowest type is the fastest.
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if nvalues <= np.iinfo(dt).max + 1:
+            return dt
+    return np.uint64
+
+
+def partition_order(ids: Any, npartitions: int, nranks: int = 1) -> tuple[Any, Any]:
+    """Stable order of rows grouped by owner rank, then partition id; and the counts.
+
+    Parameters
+    ----------
+    ids
+        ``int64`` partition ids, shape ``(n,)``, values in ``[0, npartitions)``.
+    npartitions
+        Number of output partitions.
+    nranks
+        Number of ranks; partition ``p`` is owned by rank ``p % nranks``
+        (:func:`mpshuffle.table.partition_owner`). With ``1`` rows are simply
+        grouped by partition id.
+
+    Returns
+    -------
+    order
+        ``int64`` row indices, shape ``(n,)``, on the device of ``ids``:
+        rows of rank 0's partitions first (partition ``0``, then ``nranks``,
+        ...), then rank 1's, ...; rows keep their relative order within a
+        partition (a stable sort).
+    counts
+        ``numpy.int64`` row count of every partition id, shape
+        ``(npartitions,)``, on the host.
+    """
+    xp = array_module(ids)
+    per_rank = math.ceil(npartitions / nranks)
+    dt = _narrow_dtype(per_rank * nranks)
+    if nranks == 1:
+        key = ids.astype(dt)
+    else:
+        key = ((ids % nranks) * per_rank + ids // nranks).astype(dt)
+    order = xp.argsort(key, kind="stable")
+    counts = xp.bincount(ids, minlength=npartitions)
+    if xp is not np:
+        counts = counts.get()
+    return order, np.asarray(counts, dtype=np.int64)
+
+
+def rank_major_pids(npartitions: int, nranks: int) -> list[int]:
+    """Partition ids in the order of :func:`partition_order` (rank-major)."""
+    return [p for r in range(nranks) for p in range(r, npartitions, nranks)]
+
+
+# -- the adapter -------------------------------------------------------------
+
+
+class DeviceAdapter(FrameAdapter):
+    """Frame adapter for :class:`DeviceTable`: split and pack on the table's device.
+
+    A packed piece is one contiguous ``uint8`` array on the device holding the
+    piece's columns one after the other, each starting at a multiple of 64
+    bytes; the metadata (JSON) names the columns, dtypes and byte offsets.
+    All pieces of one :meth:`split` are views into one allocation.
+    """
+
+    name = "device"
+
+    def matches(self, obj: object) -> bool:
+        return isinstance(obj, DeviceTable)
+
+    def column_names(self, frame: DeviceTable) -> list[Any]:
+        return frame.names
+
+    def num_rows(self, frame: DeviceTable) -> int:
+        return frame.nrows
+
+    def nbytes(self, frame: DeviceTable) -> int:
+        return frame.nbytes
+
+    def partition_ids(self, frame: DeviceTable, on: Sequence[Any], npartitions: int) -> Any:
+        """Partition id of every row, on the table's device (``int64``, shape ``(n,)``).
+
+        Unlike the host adapters' this returns a device array for a device table.
+        """
+        if int(npartitions) != npartitions or not 1 <= npartitions < 2**63:
+            raise ValueError(f"npartitions must be an integer in [1, 2**63), got {npartitions!r}")
+        missing = [k for k in on if k not in frame.columns]
+        if missing:
+            raise KeyError(f"key column(s) {missing} not in DeviceTable columns {frame.names}")
+        h = hash_columns([frame.columns[k] for k in on])
+        return (h % np.uint64(npartitions)).astype(np.int64)
+
+    def split(
+        self,
+        frame: DeviceTable,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: Any = None,
+    ) -> dict[int, PackedData]:
+        if ids is None:
+            ids = self.partition_ids(frame, on, npartitions)
+        else:
+            ids = frame.xp.asarray(ids)
+            if ids.shape != (frame.nrows,):
+                raise ValueError(f"ids must have shape ({frame.nrows},), got {ids.shape}")
+        order, counts = partition_order(ids, npartitions)
+        return pack_sorted(frame, order, counts, list(range(npartitions)))
+
+    def unpack(self, pieces: Sequence[PackedData], meta: DeviceTable) -> DeviceTable:
+        if not pieces:
+            return self.empty_like(meta)
+        tables = [unpack_piece(p) for p in pieces]
+        for t in tables:
+            if t.names != meta.names:
+                raise ShuffleError(
+                    f"device piece has columns {t.names}, the meta has {meta.names}"
+                )
+        return concat_tables(tables, meta)
+
+    def empty_like(self, meta: DeviceTable) -> DeviceTable:
+        return meta.empty_like()
+
+
+def pack_sorted(
+    frame: DeviceTable, order: Any, counts: Any, pid_order: Iterable[int]
+) -> dict[int, PackedData]:
+    """Gather ``frame``'s rows by ``order`` straight into packed pieces (one pass).
+
+    Parameters
+    ----------
+    frame
+        The table.
+    order
+        Row order grouping rows by partition in the order ``pid_order``.
+    counts
+        Host row count per partition id.
+    pid_order
+        Partition ids in the order their rows appear in ``order``.
+
+    Returns
+    -------
+    dict
+        ``{pid: PackedData}`` of the non-empty pieces; ``data`` are views into
+        one ``uint8`` array on the table's device.
+    """
+    xp = frame.xp
+    layout: list[tuple[int, int, int, list[int]]] = []  # pid, row start, rows, col offsets
+    total = 0
+    row = 0
+    for pid in pid_order:
+        n = int(counts[pid])
+        if n == 0:
+            continue
+        offs = []
+        start = total
+        for col in frame.columns.values():
+            offs.append(total - start)
+            total += _align(n * col.dtype.itemsize)
+        layout.append((pid, row, n, offs))
+        row += n
+        total = _align(total)
+    buf = xp.empty(total, dtype=np.uint8)
+    out: dict[int, PackedData] = {}
+    names = frame.names
+    dtypes = [frame.columns[k].dtype.str for k in names]
+    piece_start = 0
+    for pid, r0, n, offs in layout:
+        idx = order[r0 : r0 + n]
+        size = 0
+        for (name, col), off in zip(frame.columns.items(), offs, strict=True):
+            nb = n * col.dtype.itemsize
+            dst = buf[piece_start + off : piece_start + off + nb].view(col.dtype)
+            xp.take(col, idx, out=dst)
+            size = off + _align(nb)
+        meta = json.dumps({"format": _FORMAT, "names": names, "dtypes": dtypes, "offsets": offs})
+        out[pid] = PackedData(metadata=meta.encode(), data=buf[piece_start : piece_start + size], nrows=n)
+        piece_start = _align(piece_start + size)
+    return out
+
+
+def unpack_piece(piece: PackedData) -> DeviceTable:
+    """Column views of one packed device piece (zero copy).
+
+    ``piece.data`` may be a CuPy or a NumPy ``uint8`` array (a spilled piece).
+
+    Raises
+    ------
+    ShuffleError
+        If the metadata is not of this adapter's format.
+    """
+    try:
+        meta = json.loads(bytes(piece.metadata))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ShuffleError("packed piece is not in the device table format (mpshuffle-device-1)")
+    data = piece.data
+    cols = {}
+    for name, dt, off in zip(meta["names"], meta["dtypes"], meta["offsets"], strict=True):
+        dtype = np.dtype(dt)
+        cols[name] = data[off : off + piece.nrows * dtype.itemsize].view(dtype)
+    return DeviceTable(cols)
+
+
+def concat_tables(tables: Sequence[DeviceTable], meta: DeviceTable) -> DeviceTable:
+    """Concatenate tables of ``meta``'s columns onto ``meta``'s array module.
+
+    One table on the right module is returned as is (no copy). Columns are
+    cast to ``meta``'s dtypes only where the cast is lossless.
+
+    Raises
+    ------
+    ShuffleError
+        If a column cannot be cast losslessly to ``meta``'s dtype.
+    """
+    xp = meta.xp
+    if len(tables) == 1 and tables[0].xp is xp and tables[0].dtypes == meta.dtypes:
+        return tables[0]
+    cols = {}
+    for name, dtype in meta.dtypes.items():
+        for t in tables:
+            if not np.can_cast(t.columns[name].dtype, dtype, casting="safe"):
+                raise ShuffleError(
+                    f"column {name!r}: cannot cast {t.columns[name].dtype} to {dtype} losslessly"
+                )
+        total = sum(t.nrows for t in tables)
+        out = xp.empty(total, dtype=dtype)
+        pos = 0
+        for t in tables:
+            src = t.columns[name]
+            out[pos : pos + t.nrows] = xp.asarray(src)
+            pos += t.nrows
+        cols[name] = out
+    return DeviceTable(cols)
+
+
+def register_device_adapter() -> bool:
+    """Register :class:`DeviceAdapter` if CuPy imports; return whether it did.
+
+    Not called on ``import mpshuffle``, so that import never touches CUDA.
+    """
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        return False
+    register_adapter(DeviceAdapter())
+    return True
