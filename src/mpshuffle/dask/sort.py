@@ -4,11 +4,13 @@
    partition, drawn with pandas' ``Series.sample``) and its global minimum and
    maximum are computed with Dask — one pass over the input, as Dask's own
    ``set_index`` and ``sort_values`` make.
-2. Boundaries ``b_0 < ... < b_{k-1}`` are the sample's quantiles at
-   ``i / npartitions``. A value that fills several quantiles (a heavy key)
-   gets a partition of its own: the next larger sampled value becomes a
-   boundary too. So skewed keys spread over several partitions whenever their
-   distinct values allow; one value's rows always stay together.
+2. Boundaries ``b_0 < ... < b_{k-1}`` split the sorted distinct sampled
+   values into ranges of about equal weight (each sampled value weighs the
+   rows of its partition it stands for), greedily. A value heavier than a
+   range's share (a skewed key) gets a range of its own and the rest are
+   re-split over the remaining ranges, so skewed keys spread over several
+   partitions whenever their distinct values allow; one value's rows always
+   stay together.
 3. mpshuffle shuffles the rows with :class:`RangePartitioner` (row ``x`` goes
    to ``searchsorted(b, x, side="right")``; nulls to the last partition, or
    the first with ``na_position="first"``) instead of the hash, and each
@@ -32,7 +34,7 @@ from mpshuffle.dask.graph import shuffle_graph
 
 __all__ = ["RangePartitioner", "set_index", "sort_values"]
 
-#: Sampled non-null keys per input partition (at least; see ``_sample_size``).
+#: Sampled non-null keys per input partition.
 DEFAULT_SAMPLE_SIZE = 1000
 
 
@@ -100,8 +102,8 @@ def sort_values(
         ``"last"`` (default) or ``"first"``: where rows with a null first key go.
     npartitions
         Target number of output partitions; by default ``df.npartitions``.
-        Fewer come out when the key has fewer distinct sampled values, a few
-        more when heavy keys get partitions of their own.
+        Never more come out; fewer when the key has too few distinct sampled
+        values or heavy keys (one value's rows are never split).
     sample_size
         Non-null key values sampled per input partition.
 
@@ -236,12 +238,15 @@ def _target(df: dd.DataFrame, npartitions: int | None) -> int:
     return n
 
 
-def _sample(part: pd.DataFrame, column: Any, size: int) -> pd.Series:
+def _sample(part: pd.DataFrame, column: Any, size: int) -> pd.DataFrame:
     values = part[column].dropna()
-    if len(values) > size:
+    n = len(values)
+    if n > size:
         # A fixed seed keeps the boundaries (and so the graph) reproducible.
         values = values.sample(n=size, random_state=0)
-    return values.reset_index(drop=True)
+    # Each sampled value stands for n / len(sample) rows of its partition.
+    weight = n / len(values) if len(values) else 0.0
+    return pd.DataFrame({"value": values.reset_index(drop=True), "weight": weight})
 
 
 def _boundaries(
@@ -249,26 +254,49 @@ def _boundaries(
 ) -> tuple[pd.Index, Any, Any]:
     """Return the range boundaries and the key's global min and max (``None`` if no values)."""
     key = df[column]
-    meta = df._meta[column].iloc[:0].reset_index(drop=True)
+    values_meta = df._meta[column].iloc[:0].reset_index(drop=True)
+    meta = pd.DataFrame({"value": values_meta, "weight": pd.Series([], dtype="float64")})
     sample, lo, hi = dask.compute(
         df.map_partitions(_sample, column, max(int(sample_size), 1), meta=meta), key.min(), key.max()
     )
-    sample = sample.sort_values(kind="stable").reset_index(drop=True)
-    empty = pd.Index(meta)
+    empty = pd.Index(values_meta)
     if len(sample) == 0 or pd.isna(lo):
         return empty, None, None
-    m = len(sample)
-    positions = [min(m - 1, (i * m) // npartitions) for i in range(1, npartitions)]
-    candidates = sample.iloc[positions]
-    counts = candidates.value_counts()
-    chosen = set(candidates.tolist())
-    for value in counts.index[counts.to_numpy() > 1]:
-        # A heavy key: give it a partition of its own when a larger value exists.
-        larger = sample[sample > value]
-        if len(larger):
-            chosen.add(larger.iloc[0])
-    bounds = pd.Index(sorted(v for v in chosen if v > lo), dtype=meta.dtype)
-    return bounds, lo, hi
+    weights = sample.groupby("value", sort=True, observed=True)["weight"].sum()
+    bounds = _split_points(list(weights.index), weights.to_numpy(), npartitions)
+    return pd.Index([b for b in bounds if b > lo], dtype=values_meta.dtype), lo, hi
+
+
+def _split_points(values: list[Any], weights: Any, npartitions: int) -> list[Any]:
+    """Greedy equal-weight ranges over sorted distinct ``values``; returns the range starts.
+
+    Walks the values keeping the current range's weight near
+    ``remaining weight / remaining ranges``. A value at least that heavy gets a
+    range of its own (closed before and after it), and the target is then
+    recomputed over what is left, so the other values still spread over the
+    remaining ranges. At most ``npartitions`` ranges; a value never spans two.
+    """
+    bounds: list[Any] = []
+    remaining, parts = float(weights.sum()), int(npartitions)
+    target = remaining / parts
+    acc = 0.0
+
+    def close(at: Any) -> None:
+        nonlocal remaining, parts, target, acc
+        bounds.append(at)
+        remaining -= acc
+        parts -= 1
+        target = remaining / max(parts, 1)
+        acc = 0.0
+
+    for i, (value, weight) in enumerate(zip(values, weights, strict=True)):
+        # Start a new range before this value if that lands nearer the target.
+        if acc > 0 and parts > 1 and acc + weight - target > target - acc:
+            close(value)
+        acc += weight
+        if parts > 1 and acc >= target and i + 1 < len(values):
+            close(values[i + 1])
+    return bounds
 
 
 def _range_shuffle(
