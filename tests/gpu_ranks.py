@@ -1,0 +1,79 @@
+"""One rank of a multi-GPU device-shuffle check, run as a subprocess by tests/test_gpu.py.
+
+Usage: ``python tests/gpu_ranks.py RANK NRANKS PORT OUTDIR [BUDGET_BYTES]``. Rank
+``r`` uses GPU ``r``, builds its deterministic input rounds, shuffles them
+with :class:`mpshuffle.device_shuffler.DeviceShuffle` and writes its input
+and output partitions (as NumPy) to ``OUTDIR/rank{r}.npz`` for the parent to check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+
+def connect(rank: int, nranks: int, port: int):  # type: ignore[no-untyped-def]
+    """Host communicator of ``nranks`` processes on this machine, rank 0 on ``port``."""
+    from mpshuffle.comm.tcp import TcpCommunicator
+
+    root = f"tcp://127.0.0.1:{port}"
+
+    async def go():  # type: ignore[no-untyped-def]
+        comm = await TcpCommunicator.start(
+            rank, nranks, generation="gpu-test", token="t",
+            listen_address=root if rank == 0 else "tcp://127.0.0.1:0",
+        )
+        await comm.rendezvous(None if rank == 0 else root, 60)
+        return comm
+
+    return asyncio.run(go())
+
+
+def main() -> None:
+    rank, nranks, port, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    budget = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    import cupy
+    import numpy as np
+
+    from mpshuffle.comm.nccl import NcclTransport
+    from mpshuffle.device_shuffler import DeviceShuffle
+    from mpshuffle.memory import BufferResource, MemoryType
+    from mpshuffle.table.device import DeviceTable
+
+    cupy.cuda.Device(rank).use()
+    comm = connect(rank, nranks, port)
+    transport = asyncio.run(NcclTransport.acreate(comm))
+    resource = BufferResource({MemoryType.DEVICE: budget})
+    sh = DeviceShuffle(comm, transport, npartitions=5, on=["k", "j"], resource=resource)
+    rng = np.random.default_rng(rank)
+    saved = {}
+    for rnd in range(3):
+        n = 20_000 + 1000 * rank + rnd * 7  # unequal sizes on purpose; round 1 of rank 1 empty
+        if rank == 1 and rnd == 1:
+            n = 0
+        host = {
+            "k": rng.integers(-1000, 1000, n).astype(np.int64),
+            "j": rng.integers(0, 3, n).astype(np.int32),
+            "x": rng.normal(size=n),
+            "src": np.full(n, rank * 10 + rnd, dtype=np.int16),
+            "row": np.arange(n, dtype=np.int64),
+        }
+        for k, v in host.items():
+            saved[f"in{rnd}_{k}"] = v
+        sh.insert(DeviceTable({k: cupy.asarray(v) for k, v in host.items()}))
+    stats = dict(sh.statistics)
+    for p in sh.owned:
+        t = sh.extract(p)
+        assert t.xp is cupy, "output partition is not on the device"
+        assert all(isinstance(c, cupy.ndarray) for c in t.columns.values())
+        for k, v in t.to_host().columns.items():
+            saved[f"out{p}_{k}"] = v
+    saved["stats"] = np.array([stats["bytes_spilled"], stats["rounds"]], dtype=np.int64)
+    saved["device_used_after"] = np.array([resource.used(MemoryType.DEVICE)])
+    np.savez(f"{outdir}/rank{rank}.npz", **saved)
+    transport.close()
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""GPU tests: device tables, on-device partitioning, the NCCL device shuffle, the pool.
+
+Skipped where CuPy is missing or no CUDA device is visible; the multi-rank
+test also needs two devices.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    _NDEV = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # no driver, or no device
+    _NDEV = 0
+pytestmark = pytest.mark.skipif(_NDEV < 1, reason="no CUDA device")
+
+from mpshuffle.memory import BufferResource, MemoryType  # noqa: E402
+from mpshuffle.table import get_adapter  # noqa: E402
+from mpshuffle.table.device import (  # noqa: E402
+    DeviceAdapter,
+    DeviceTable,
+    register_device_adapter,
+    unpack_piece,
+)
+from mpshuffle.table.hashing import partition_ids  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+
+
+def _frame(n: int = 5000, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    df = pd.DataFrame(
+        {
+            "i8": rng.integers(-100, 100, n).astype(np.int8),
+            "i64": rng.integers(-(2**62), 2**62, n),
+            "u16": rng.integers(0, 60000, n).astype(np.uint16),
+            "f32": rng.normal(size=n).astype(np.float32),
+            "f64": rng.normal(size=n),
+            "b": rng.random(n) > 0.5,
+            "row": np.arange(n, dtype=np.int64),
+        }
+    )
+    df.loc[1, "f64"] = np.nan
+    df.loc[2, "f64"] = -0.0
+    df.loc[3, "f64"] = 0.0
+    return df
+
+
+@pytest.mark.parametrize("on", [["i8"], ["i64"], ["u16"], ["f32"], ["f64"], ["b"], ["i64", "f64", "u16"]])
+def test_device_ids_equal_host_ids(on: list[str]) -> None:
+    df = _frame()
+    t = DeviceTable.from_pandas(df)
+    ids = DeviceAdapter().partition_ids(t, on, 13)
+    assert isinstance(ids, cupy.ndarray)
+    np.testing.assert_array_equal(ids.get(), partition_ids(df[on], 13))
+
+
+def test_split_and_unpack_stay_on_device() -> None:
+    df = _frame()
+    assert register_device_adapter()
+    t = DeviceTable.from_pandas(df)
+    adapter = get_adapter(t)
+    assert isinstance(adapter, DeviceAdapter)
+    pieces = adapter.split(t, ["i64", "u16"], 7)
+    expected = partition_ids(df[["i64", "u16"]], 7)
+    assert sorted(pieces) == sorted(set(expected.tolist()))
+    for pid, piece in pieces.items():
+        assert isinstance(piece.data, cupy.ndarray)  # packed on the device
+        got = unpack_piece(piece)
+        assert got.xp is cupy
+        # membership, dtypes and the original relative order of the rows
+        pd.testing.assert_frame_equal(got.to_pandas(), df[expected == pid].reset_index(drop=True))
+    whole = adapter.unpack([pieces[p] for p in sorted(pieces)], t.empty_like())
+    assert whole.xp is cupy and whole.nrows == len(df)
+    assert sorted(whole.columns["row"].get().tolist()) == list(range(len(df)))
+    empty = adapter.unpack([], t.empty_like())
+    assert empty.nrows == 0 and empty.dtypes == t.dtypes
+
+
+def test_unpack_rejects_foreign_bytes() -> None:
+    from mpshuffle.errors import ShuffleError
+    from mpshuffle.table import PackedData
+
+    with pytest.raises(ShuffleError, match="device table format"):
+        unpack_piece(PackedData(b"{}", cupy.zeros(8, dtype=cupy.uint8), 1))
+
+
+def test_device_table_validates_columns() -> None:
+    with pytest.raises(ValueError, match="has 3 rows"):
+        DeviceTable({"a": cupy.zeros(2), "b": cupy.zeros(3)})
+    with pytest.raises(TypeError, match="mix NumPy and CuPy"):
+        DeviceTable({"a": cupy.zeros(2), "b": np.zeros(2)})
+    with pytest.raises(TypeError, match="dtype complex128"):
+        DeviceTable({"a": cupy.zeros(2, dtype=cupy.complex128)})
+
+
+def _local_shuffle(budget: int | None, rounds: int, n: int):  # type: ignore[no-untyped-def]
+    from mpshuffle.comm.local import LocalCommunicator
+    from mpshuffle.comm.nccl import NcclTransport
+    from mpshuffle.device_shuffler import DeviceShuffle
+
+    comm = LocalCommunicator()
+    transport = NcclTransport.create(comm)
+    resource = BufferResource({MemoryType.DEVICE: budget})
+    sh = DeviceShuffle(comm, transport, 4, ["k"], resource=resource)
+    frames = []
+    for r in range(rounds):
+        df = pd.DataFrame({"k": np.arange(n, dtype=np.int64) * 7 + r, "v": np.full(n, r, dtype=np.float64)})
+        frames.append(df)
+        sh.insert(DeviceTable.from_pandas(df))
+    return comm, transport, resource, sh, pd.concat(frames, ignore_index=True)
+
+
+def test_single_rank_device_shuffle() -> None:
+    comm, transport, resource, sh, df = _local_shuffle(None, 1, 10_000)
+    try:
+        ids = partition_ids(df[["k"]], 4)
+        for p in range(4):
+            out = sh.extract(p)
+            assert out.xp is cupy
+            pd.testing.assert_frame_equal(out.to_pandas(), df[ids == p].reset_index(drop=True))
+        assert sh.statistics["bytes_spilled"] == 0
+        assert resource.used(MemoryType.DEVICE) == 0  # freed after the last extract
+    finally:
+        transport.close()
+        comm.close()
+
+
+def test_device_shuffle_spills_past_budget() -> None:
+    # 4 rounds of 16 bytes x 50_000 rows = 3.2 MB received against a 1.6 MB budget (2x).
+    comm, transport, resource, sh, df = _local_shuffle(1_600_000, 4, 50_000)
+    try:
+        assert sh.statistics["bytes_spilled"] >= 1_600_000
+        assert sh.device_bytes <= 1_600_000
+        assert resource.used(MemoryType.HOST) == sh.statistics["bytes_spilled"]
+        ids = partition_ids(df[["k"]], 4)
+        for p in range(4):
+            out = sh.extract(p)
+            assert out.xp is cupy
+            pd.testing.assert_frame_equal(out.to_pandas(), df[ids == p].reset_index(drop=True))
+        assert resource.used(MemoryType.DEVICE) == 0 and resource.used(MemoryType.HOST) == 0
+    finally:
+        transport.close()
+        comm.close()
+
+
+def test_pool_size_reserves_device_memory() -> None:
+    from mpshuffle.memory.device import device_budget, device_memory_bytes, reserve_device_pool
+
+    total = device_memory_bytes()
+    pool = cupy.get_default_memory_pool()
+    held = reserve_device_pool(0.05)
+    assert held >= int(0.05 * total) // 2**20 * 2**20
+    assert pool.total_bytes() == held
+    a = cupy.empty(2**20, dtype=cupy.uint8)  # served from the reserved block
+    assert pool.total_bytes() == held
+    del a
+    assert device_budget(0.5) == int(0.5 * total)
+    with pytest.raises(ValueError, match="pool_size"):
+        reserve_device_pool(1.5)
+    pool.free_all_blocks()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(_NDEV < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("budget", [None, 400_000])
+@pytest.mark.timeout(300)
+def test_two_gpu_device_shuffle(tmp_path, budget) -> None:  # type: ignore[no-untyped-def]
+    port = _free_port()
+    args = [str(port), str(tmp_path)] + ([str(budget)] if budget else [])
+    procs = [
+        subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_ranks.py"), str(r), "2", *args])
+        for r in range(2)
+    ]
+    assert [p.wait(240) for p in procs] == [0, 0]
+    data = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    cols = ["k", "j", "x", "src", "row"]
+    inputs = pd.concat(
+        [pd.DataFrame({c: d[f"in{rnd}_{c}"] for c in cols}) for d in data for rnd in range(3)],
+        ignore_index=True,
+    )
+    outputs = []
+    for p in range(5):
+        d = data[p % 2]
+        out = pd.DataFrame({c: d[f"out{p}_{c}"] for c in cols})
+        assert (partition_ids(out[["k", "j"]], 5) == p).all()
+        # rows keep round, then source rank, then source order
+        order = list(zip(out["src"] % 10, out["src"] // 10, out["row"], strict=True))
+        assert order == sorted(order)
+        outputs.append(out)
+    got = pd.concat(outputs).sort_values(["src", "row"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(got, inputs.sort_values(["src", "row"]).reset_index(drop=True))
+    spilled = sum(int(d["stats"][0]) for d in data)
+    assert (spilled > 0) == (budget is not None)
+    assert all(int(d["device_used_after"][0]) == 0 for d in data)
