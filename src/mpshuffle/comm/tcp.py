@@ -126,6 +126,7 @@ class TcpCommunicator(Communicator):
         self._listener = await distributed.comm.listen(
             address, self._handle_comm, deserialize=False, **kwargs
         )
+        self._listener.on_connection = self._guarded_handshake(self._listener.on_connection)
         await self._listener.start()
         self.addresses[self.rank] = self._listener.contact_address
 
@@ -202,6 +203,26 @@ class TcpCommunicator(Communicator):
                 raise CommError(f"rank {self.rank} could not connect to rank {dest} ({address}): {e}") from e
             self._out[dest] = comm
             return comm
+
+    def _guarded_handshake(self, on_connection: Any) -> Any:
+        """Wrap the listener's handshake so that a stranger's failed one is logged as a refusal.
+
+        distributed.comm reads a handshake before our handler sees the
+        connection; garbage fails there and would only be logged at INFO.
+        """
+
+        async def handshake(comm: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await on_connection(comm, *args, **kwargs)
+            except Exception as e:
+                logger.warning(
+                    "mpshuffle: refused connection from %s to rank %d of generation %s: "
+                    "no valid handshake (%s)",
+                    getattr(comm, "peer_address", "?"), self.rank, self.generation, e.__cause__ or e,
+                )
+                raise
+
+        return handshake
 
     async def _handle_comm(self, comm: Any) -> None:
         peer = comm.peer_address

@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -128,6 +129,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         self._roots: dict[str, str] = {}
         self._root_events: dict[str, asyncio.Event] = {}
         self._lock: asyncio.Lock | None = None
+        self._options: Options | None = None
         self.bootstraps = 0
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -177,7 +179,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         if not workers:
             raise BootstrapError("cannot bootstrap mpshuffle: the cluster has no workers")
         gen = self.generation
-        opts = Options(**options) if options is not None else (gen.options if gen else resolve_options())
+        # Options outlive a generation dropped because a worker left.
+        opts = Options(**options) if options is not None else (self._options or resolve_options())
         if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:
             return {**gen.describe(), "bootstrapped": False}
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)
@@ -205,6 +208,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             )
             raise BootstrapError(f"bootstrap of generation {new.id} on {len(workers)} workers failed: {detail}")
         old, self.generation = self.generation, new
+        self._options = opts
         if old is not None:
             old.stale = True
             self._maybe_close(old)
@@ -319,6 +323,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         should be rescheduled), or ``{"restart": False, "alive": [...]}`` if
         the run was not restarted within ``timeout`` seconds (the lost ranks'
         workers are still in the cluster, so only their communicators broke).
+        Then the run fails on every rank and its generation is retired, so
+        that the next shuffle bootstraps a new one.
         """
         run = self._by_op.get(op_id)
         if run is None:
@@ -329,6 +335,16 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             pass
         assert self.scheduler is not None
         alive = [w for w in run.generation.workers if w in self.scheduler.workers]
+        if not run.restarted:
+            gen = run.generation
+            gen.stale = True
+            if self.generation is gen:
+                self.generation = None
+            if run.error is None:
+                run.error = f"shuffle op {run.op_id}: a rank of generation {gen.id} lost its communicator"
+                self._broadcast(
+                    gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
+                )
         return {"restart": run.restarted, "alive": alive}
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
@@ -421,5 +437,12 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             self._maybe_close(gen)
 
 
+_WRAPPED = re.compile(r"^(\w+)\((['\"])(.*)\2\)$", re.DOTALL)
+
+
 def _describe_error(e: BaseException) -> str:
+    # An error that could not travel back from a worker arrives as Exception("Name('message')").
+    m = _WRAPPED.match(str(e)) if type(e) is Exception else None
+    if m:
+        return f"{m.group(1)}: {m.group(3)}"
     return f"{type(e).__name__}: {e}"
