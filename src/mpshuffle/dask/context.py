@@ -171,6 +171,8 @@ class WorkerContext:
         with self._lock:
             s = self.shufflers.get(op_id)
         if s is not None:
+            # Wakes a task still waiting in this run (its graph was released).
+            s.fail(ShuffleError(f"shuffle op {op_id} was released on rank {self.rank}"))
             s.close()
         with self._lock:
             self.shufflers.pop(op_id, None)
