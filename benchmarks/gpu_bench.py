@@ -48,6 +48,25 @@ def _connect(rank: int, nranks: int, port: int):  # type: ignore[no-untyped-def]
     return asyncio.run(go())
 
 
+def _free_port() -> int:
+    # A port below Linux's ephemeral range (32768-60999): a rank that retries
+    # connecting to a not-yet-listening ephemeral port on localhost can be
+    # handed that very port as its own source port (a TCP self-connect) and
+    # then the root cannot bind it.
+    import random
+    import socket
+
+    for _ in range(100):
+        port = random.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-30000")
+
+
 def _timed(comm, name: str, fn) -> float:  # type: ignore[no-untyped-def]
     """Seconds of ``fn`` on the slowest rank, from a common barrier."""
     import cupy
@@ -199,11 +218,7 @@ def main() -> None:
     if args.rank >= 0:
         rank_main(args.rank, args.nranks, args.port, args)
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     procs = [
         subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)],
                          env=dict(os.environ))

@@ -170,9 +170,22 @@ def test_pool_size_reserves_device_memory() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # A port below Linux's ephemeral range (32768-60999): a rank that retries
+    # connecting to a not-yet-listening ephemeral port on localhost can be
+    # handed that very port as its own source port (a TCP self-connect) and
+    # then the root cannot bind it.
+    import random
+    import socket
+
+    for _ in range(100):
+        port = random.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-30000")
 
 
 @pytest.mark.skipif(_NDEV < 2, reason="needs two CUDA devices")

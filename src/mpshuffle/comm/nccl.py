@@ -75,7 +75,7 @@ class NcclTransport:
         return int(cupy.cuda.Device().id) if device is None else int(device)
 
     @classmethod
-    def _init(cls, uid: tuple[int, ...], rank: int, nranks: int, device: int) -> NcclTransport:
+    def _init(cls, uid: Any, rank: int, nranks: int, device: int) -> NcclTransport:
         import cupy
         from cupy.cuda import nccl
 
@@ -85,11 +85,11 @@ class NcclTransport:
         return cls(nccl_comm, rank, nranks, device)
 
     @classmethod
-    def _make_uid(cls, comm: Communicator, key: str) -> tuple[int, ...]:
+    def _make_uid(cls, comm: Communicator, key: str) -> Any:
         from cupy.cuda import nccl
 
-        uid = tuple(nccl.get_unique_id())
-        payload = msgpack.packb(list(uid))
+        uid = nccl.get_unique_id()  # bytes in recent CuPy, a tuple of ints in older ones
+        payload = msgpack.packb(uid if isinstance(uid, bytes) else list(uid))
         for dest in range(1, comm.nranks):
             comm.send_nowait(dest, cls._tag(key), [payload])
         return uid
@@ -124,7 +124,7 @@ class NcclTransport:
         if comm.rank == 0:
             uid = cls._make_uid(comm, key)
         else:
-            uid = tuple(msgpack.unpackb(bytes(comm.recv(0, cls._tag(key), timeout)[0])))
+            uid = _uid(comm.recv(0, cls._tag(key), timeout))
         try:
             return cls._init(uid, comm.rank, comm.nranks, dev)
         except Exception as e:
@@ -141,7 +141,7 @@ class NcclTransport:
             uid = cls._make_uid(comm, key)
         else:
             frames = await comm.arecv(0, cls._tag(key), timeout)
-            uid = tuple(msgpack.unpackb(bytes(frames[0])))
+            uid = _uid(frames)
         try:
             return await asyncio.to_thread(cls._init, uid, comm.rank, comm.nranks, dev)
         except Exception as e:
@@ -215,6 +215,11 @@ class NcclTransport:
             return
         self._closed = True
         self._nccl.destroy()
+
+
+def _uid(frames: Any) -> Any:
+    uid = msgpack.unpackb(bytes(frames[0]))
+    return uid if isinstance(uid, bytes) else tuple(uid)
 
 
 def _pieces(a: Any) -> list[tuple[int, int]]:
