@@ -71,7 +71,7 @@ def test_dask_config_set_is_between_env_and_kwargs(clean_env: pytest.MonkeyPatch
     ("value", "expected"),
     [(1, 1.0), (0.25, 0.25), ("0.5", 0.5), (2, 2), (2**20, 2**20), ("1MiB", 2**20), ("2 GiB", 2 * 2**30)],
 )
-def test_spill_host_is_a_fraction_or_bytes(value: object, expected: float | int) -> None:
+def test_spill_host_is_a_fraction_or_bytes(value: object, expected: float) -> None:
     got = resolve_options(spill_host=value).spill_host
     assert got == expected and type(got) is type(expected)
 

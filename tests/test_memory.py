@@ -157,7 +157,7 @@ class _RecordingComm:
 
     rank = 0
     nranks = 2
-    addresses = ["a", "b"]
+    addresses = ("a", "b")
 
     def __init__(self) -> None:
         self.in_flight = {0: 0, 1: 0}

@@ -220,7 +220,7 @@ class Shuffler:
                     # Spilling happens here, on the progress thread: while it
                     # writes, no more data is read from the peers (back-pressure).
                     self.postbox.add_chunk(entries)
-                except Exception as e:  # a failed spill fails the run, loudly
+                except Exception as e:  # noqa: BLE001 -- any failure here must fail the run, not hang it
                     logger.error("mpshuffle: %s", e)
                     self.fail(e)
             with self._lock:

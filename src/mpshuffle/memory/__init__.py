@@ -4,8 +4,8 @@ Every buffer a shuffler holds is accounted in a :class:`BufferResource`;
 received chunks over the host budget are spilled to a :class:`SpillDirectory`.
 """
 
+from mpshuffle.memory.postbox import Postbox
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
-from mpshuffle.memory.postbox import Postbox
 
 __all__ = ["BufferResource", "MemoryType", "Postbox", "Reservation", "SpillDirectory"]

@@ -103,8 +103,7 @@ class BufferResource:
         with self._lock:
             used = self._used[memory_type] + nbytes
             self._used[memory_type] = used
-            if used > self._peak[memory_type]:
-                self._peak[memory_type] = used
+            self._peak[memory_type] = max(self._peak[memory_type], used)
         return Reservation(self, memory_type, nbytes)
 
     def _release(self, memory_type: MemoryType, nbytes: int) -> None:
