@@ -32,39 +32,42 @@ import sys
 import time
 
 
-def _connect(rank: int, nranks: int, port: int):  # type: ignore[no-untyped-def]
-    from mpshuffle.comm.tcp import TcpCommunicator
+def _connect(rank: int, nranks: int, address_file: str):  # type: ignore[no-untyped-def]
+    """Host communicator of ``nranks`` processes on this machine.
 
-    root = f"tcp://127.0.0.1:{port}"
+    Rank 0 listens on a free port and writes its address to ``address_file``;
+    the others read it from there (a fixed port is avoided on purpose:
+    TcpCommunicator's listener binds its address twice, which only a port 0
+    survives).
+    """
+    import os
+    import time
+
+    from mpshuffle.comm.tcp import TcpCommunicator
 
     async def go():  # type: ignore[no-untyped-def]
         comm = await TcpCommunicator.start(
-            rank, nranks, generation="bench", token="b",
-            listen_address=root if rank == 0 else "tcp://127.0.0.1:0",
+            rank, nranks, generation="gpu", token="t", listen_address="tcp://127.0.0.1:0"
         )
-        await comm.rendezvous(None if rank == 0 else root, 120)
+        root = None
+        if rank == 0:
+            with open(address_file + ".tmp", "w") as f:
+                f.write(comm.addresses[0])
+            os.replace(address_file + ".tmp", address_file)
+        else:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(address_file):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 wrote no address to {address_file}")
+                time.sleep(0.05)
+            with open(address_file) as f:
+                root = f.read()
+        await comm.rendezvous(root, 120)
         return comm
 
     return asyncio.run(go())
 
 
-def _free_port() -> int:
-    # A port below Linux's ephemeral range (32768-60999): a rank that retries
-    # connecting to a not-yet-listening ephemeral port on localhost can be
-    # handed that very port as its own source port (a TCP self-connect) and
-    # then the root cannot bind it.
-    import random
-    import socket
-
-    for _ in range(100):
-        port = random.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-30000")
 
 
 def _timed(comm, name: str, fn) -> float:  # type: ignore[no-untyped-def]
@@ -88,7 +91,7 @@ def _timed(comm, name: str, fn) -> float:  # type: ignore[no-untyped-def]
     return float(worst)
 
 
-def rank_main(rank: int, nranks: int, port: int, args: argparse.Namespace) -> None:
+def rank_main(rank: int, nranks: int, address_file: str, args: argparse.Namespace) -> None:
     import cupy
     import numpy as np
 
@@ -98,7 +101,7 @@ def rank_main(rank: int, nranks: int, port: int, args: argparse.Namespace) -> No
     from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order
 
     cupy.cuda.Device(rank).use()
-    comm = _connect(rank, nranks, port)
+    comm = _connect(rank, nranks, address_file)
     transport = asyncio.run(NcclTransport.acreate(comm))
     adapter = DeviceAdapter()
     results: list[dict] = []
@@ -213,14 +216,16 @@ def main() -> None:
     ap.add_argument("--spill", type=float, default=0.0, help="GB per GPU of the spill run (0: none)")
     ap.add_argument("--out", default="gpu_bench.json")
     ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--address-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank >= 0:
-        rank_main(args.rank, args.nranks, args.port, args)
+        rank_main(args.rank, args.nranks, args.address_file, args)
         return
-    port = _free_port()
+    import tempfile
+
+    address_file = os.path.join(tempfile.mkdtemp(prefix="mpshuffle-bench-"), "root-address")
     procs = [
-        subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)],
+        subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--address-file", address_file],
                          env=dict(os.environ))
         for r in range(args.nranks)
     ]

@@ -1,6 +1,6 @@
 """One rank of a multi-GPU device-shuffle check, run as a subprocess by tests/test_gpu.py.
 
-Usage: ``python tests/gpu_ranks.py RANK NRANKS PORT OUTDIR [BUDGET_BYTES]``. Rank
+Usage: ``python tests/gpu_ranks.py RANK NRANKS ADDRESS_FILE OUTDIR [BUDGET_BYTES]``. Rank
 ``r`` uses GPU ``r``, builds its deterministic input rounds, shuffles them
 with :class:`mpshuffle.device_shuffler.DeviceShuffle` and writes its input
 and output partitions (as NumPy) to ``OUTDIR/rank{r}.npz`` for the parent to check.
@@ -12,25 +12,44 @@ import asyncio
 import sys
 
 
-def connect(rank: int, nranks: int, port: int):  # type: ignore[no-untyped-def]
-    """Host communicator of ``nranks`` processes on this machine, rank 0 on ``port``."""
-    from mpshuffle.comm.tcp import TcpCommunicator
+def connect(rank: int, nranks: int, address_file: str):  # type: ignore[no-untyped-def]
+    """Host communicator of ``nranks`` processes on this machine.
 
-    root = f"tcp://127.0.0.1:{port}"
+    Rank 0 listens on a free port and writes its address to ``address_file``;
+    the others read it from there (a fixed port is avoided on purpose:
+    TcpCommunicator's listener binds its address twice, which only a port 0
+    survives).
+    """
+    import os
+    import time
+
+    from mpshuffle.comm.tcp import TcpCommunicator
 
     async def go():  # type: ignore[no-untyped-def]
         comm = await TcpCommunicator.start(
-            rank, nranks, generation="gpu-test", token="t",
-            listen_address=root if rank == 0 else "tcp://127.0.0.1:0",
+            rank, nranks, generation="gpu-test", token="t", listen_address="tcp://127.0.0.1:0"
         )
-        await comm.rendezvous(None if rank == 0 else root, 60)
+        root = None
+        if rank == 0:
+            with open(address_file + ".tmp", "w") as f:
+                f.write(comm.addresses[0])
+            os.replace(address_file + ".tmp", address_file)
+        else:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(address_file):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank 0 wrote no address to {address_file}")
+                time.sleep(0.05)
+            with open(address_file) as f:
+                root = f.read()
+        await comm.rendezvous(root, 120)
         return comm
 
     return asyncio.run(go())
 
 
 def main() -> None:
-    rank, nranks, port, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rank, nranks, address_file, outdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     budget = int(sys.argv[5]) if len(sys.argv) > 5 else None
     import cupy
     import numpy as np
@@ -41,7 +60,7 @@ def main() -> None:
     from mpshuffle.table.device import DeviceTable
 
     cupy.cuda.Device(rank).use()
-    comm = connect(rank, nranks, port)
+    comm = connect(rank, nranks, address_file)
     transport = asyncio.run(NcclTransport.acreate(comm))
     resource = BufferResource({MemoryType.DEVICE: budget})
     sh = DeviceShuffle(comm, transport, npartitions=5, on=["k", "j"], resource=resource)

@@ -7,7 +7,6 @@ test also needs two devices.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -169,31 +168,13 @@ def test_pool_size_reserves_device_memory() -> None:
     pool.free_all_blocks()
 
 
-def _free_port() -> int:
-    # A port below Linux's ephemeral range (32768-60999): a rank that retries
-    # connecting to a not-yet-listening ephemeral port on localhost can be
-    # handed that very port as its own source port (a TCP self-connect) and
-    # then the root cannot bind it.
-    import random
-    import socket
-
-    for _ in range(100):
-        port = random.randrange(20000, 30000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-30000")
 
 
 @pytest.mark.skipif(_NDEV < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("budget", [None, 400_000])
 @pytest.mark.timeout(300)
 def test_two_gpu_device_shuffle(tmp_path, budget) -> None:  # type: ignore[no-untyped-def]
-    port = _free_port()
-    args = [str(port), str(tmp_path)] + ([str(budget)] if budget else [])
+    args = [str(tmp_path / "root-address"), str(tmp_path)] + ([str(budget)] if budget else [])
     procs = [
         subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_ranks.py"), str(r), "2", *args])
         for r in range(2)
