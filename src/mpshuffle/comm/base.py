@@ -116,12 +116,16 @@ class Communicator(abc.ABC):
             if not fut.done():
                 fut.set_result(None)
 
-    def _peer_lost(self, rank: int, reason: str) -> None:
-        """Record that ``rank`` is gone and wake everyone waiting on it (on :attr:`loop`)."""
+    def _peer_lost(self, rank: int, reason: str, *, quiet: bool = False) -> None:
+        """Record that ``rank`` is gone and wake everyone waiting on it (on :attr:`loop`).
+
+        ``quiet`` skips the warning, for a peer that said goodbye.
+        """
         if rank in self._lost:
             return
         self._lost[rank] = reason
-        logger.warning("mpshuffle: rank %d of %d lost: %s", rank, self.nranks, reason)
+        if not quiet:
+            logger.warning("mpshuffle: rank %d of %d lost: %s", rank, self.nranks, reason)
         for (src, _tag), futs in list(self._waiters.items()):
             if src == rank:
                 for fut in futs:

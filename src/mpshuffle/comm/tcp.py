@@ -247,7 +247,9 @@ class TcpCommunicator(Communicator):
                 msg = await comm.read()
                 tag = tuple(msg["tag"])
                 if tag == ("__bye__",):
+                    # A peer that closes its communicator is gone for any run still using it.
                     self._departed.add(src)
+                    self._peer_lost(src, "it closed its communicator", quiet=True)
                     continue
                 payload = msg.get("frames")
                 frames = list(payload.frames) if isinstance(payload, Serialized) else []
