@@ -200,3 +200,20 @@ def test_two_gpu_device_shuffle(tmp_path, budget) -> None:  # type: ignore[no-un
     spilled = sum(int(d["stats"][0]) for d in data)
     assert (spilled > 0) == (budget is not None)
     assert all(int(d["device_used_after"][0]) == 0 for d in data)
+
+
+def test_cudf_adapter_round_trip() -> None:
+    cudf = pytest.importorskip("cudf")
+    from mpshuffle.table.cudf import CudfAdapter
+
+    df = _frame(2000).drop(columns=["f64"])
+    gdf = cudf.DataFrame.from_pandas(df)
+    assert register_device_adapter()
+    adapter = get_adapter(gdf)
+    assert isinstance(adapter, CudfAdapter)
+    pieces = adapter.split(gdf, ["i64"], 5)
+    expected = partition_ids(df[["i64"]], 5)
+    for pid, piece in pieces.items():
+        assert isinstance(piece.data, cupy.ndarray)
+        got = adapter.unpack([piece], gdf.iloc[:0]).to_pandas()
+        pd.testing.assert_frame_equal(got, df[expected == pid].reset_index(drop=True))

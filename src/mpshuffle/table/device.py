@@ -497,11 +497,19 @@ def concat_tables(tables: Sequence[DeviceTable], meta: DeviceTable) -> DeviceTab
 def register_device_adapter() -> bool:
     """Register :class:`DeviceAdapter` if CuPy imports; return whether it did.
 
-    Not called on ``import mpshuffle``, so that import never touches CUDA.
+    Also registers :class:`~mpshuffle.table.cudf.CudfAdapter` when cudf
+    imports. Not called on ``import mpshuffle``, so that import never touches CUDA.
     """
     try:
         import cupy  # noqa: F401
     except Exception:
         return False
     register_adapter(DeviceAdapter())
+    try:
+        import cudf  # noqa: F401
+    except Exception:
+        return True
+    from mpshuffle.table.cudf import CudfAdapter
+
+    register_adapter(CudfAdapter())
     return True

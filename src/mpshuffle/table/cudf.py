@@ -1,0 +1,68 @@
+"""A thin adapter for ``cudf.DataFrame``, through cudf's public API only.
+
+Columns are taken as CuPy arrays (``Series.values``, zero copy for numeric
+columns without nulls) into a :class:`~mpshuffle.table.device.DeviceTable`,
+so hashing, splitting and packing are the device adapter's; the result is
+rebuilt with ``cudf.DataFrame``. Fixed-width numeric and bool columns without
+nulls only; the index is not kept. cudf is imported only when the adapter is
+used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.device import DeviceAdapter, DeviceTable
+from mpshuffle.table.packed import PackedData
+
+__all__ = ["CudfAdapter"]
+
+
+def _to_device_table(df: Any) -> DeviceTable:
+    cols = {}
+    for name in df.columns:
+        col = df[name]
+        if col.null_count:
+            raise TypeError(f"cudf column {name!r} has nulls; the device adapter takes none")
+        cols[name] = col.values
+    return DeviceTable(cols)
+
+
+class CudfAdapter(FrameAdapter):
+    """Frame adapter for ``cudf.DataFrame`` (see the module docstring)."""
+
+    name = "cudf"
+
+    def __init__(self) -> None:
+        self._device = DeviceAdapter()
+
+    def matches(self, obj: object) -> bool:
+        return type(obj).__module__.startswith("cudf") and type(obj).__name__ == "DataFrame"
+
+    def column_names(self, frame: Any) -> list[Any]:
+        return list(frame.columns)
+
+    def num_rows(self, frame: Any) -> int:
+        return len(frame)
+
+    def nbytes(self, frame: Any) -> int:
+        return int(frame.memory_usage(index=False).sum())
+
+    def partition_ids(self, frame: Any, on: Sequence[Any], npartitions: int) -> Any:
+        return self._device.partition_ids(_to_device_table(frame), on, npartitions)
+
+    def split(
+        self, frame: Any, on: Sequence[Any], npartitions: int, ids: Any = None
+    ) -> dict[int, PackedData]:
+        return self._device.split(_to_device_table(frame), on, npartitions, ids)
+
+    def unpack(self, pieces: Sequence[PackedData], meta: Any) -> Any:
+        import cudf
+
+        table = self._device.unpack(pieces, _to_device_table(meta))
+        return cudf.DataFrame(dict(table.columns))
+
+    def empty_like(self, meta: Any) -> Any:
+        return meta.iloc[:0]

@@ -1,0 +1,83 @@
+"""The device table's code path on NumPy arrays: runs without a GPU (CI).
+
+The same functions run on CuPy arrays in tests/test_gpu.py; here they check
+that the device hash equals the host hash and that split/unpack keep rows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order, unpack_piece
+from mpshuffle.table.hashing import partition_ids
+
+
+def _frame(n: int = 1000) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    df = pd.DataFrame(
+        {
+            "a": rng.integers(-50, 50, n).astype(np.int32),
+            "b": rng.normal(size=n),
+            "c": rng.integers(0, 5, n).astype(np.uint16),
+            "d": rng.random(n) > 0.5,
+            "e": rng.normal(size=n).astype(np.float32),
+        }
+    )
+    df.loc[3, "b"] = np.nan
+    df.loc[4, "b"] = -0.0
+    return df
+
+
+@pytest.mark.parametrize("on", [["a"], ["b"], ["c"], ["d"], ["e"], ["a", "b"], ["c", "d", "e"]])
+def test_device_hash_equals_host_hash(on: list[str]) -> None:
+    df = _frame()
+    t = DeviceTable.from_pandas(df, device=False)
+    got = DeviceAdapter().partition_ids(t, on, 7)
+    np.testing.assert_array_equal(got, partition_ids(df[on], 7))
+
+
+def test_split_unpack_keep_rows_and_order() -> None:
+    df = _frame()
+    t = DeviceTable.from_pandas(df, device=False)
+    adapter = DeviceAdapter()
+    pieces = adapter.split(t, ["a", "b"], 7)
+    ids = partition_ids(df[["a", "b"]], 7)
+    assert sorted(pieces) == sorted(set(ids.tolist()))
+    for pid, piece in pieces.items():
+        pd.testing.assert_frame_equal(
+            unpack_piece(piece).to_pandas(), df[ids == pid].reset_index(drop=True)
+        )
+    whole = adapter.unpack([pieces[p] for p in sorted(pieces)], t.empty_like())
+    assert whole.nrows == len(df) and whole.dtypes == t.dtypes
+
+
+def test_partition_order_is_rank_major_and_stable() -> None:
+    ids = np.array([3, 0, 1, 2, 3, 1, 0, 2], dtype=np.int64)
+    order, counts = partition_order(ids, 4, nranks=2)
+    # rank 0 owns 0, 2; rank 1 owns 1, 3
+    assert ids[order].tolist() == [0, 0, 2, 2, 1, 1, 3, 3]
+    assert order.tolist() == [1, 6, 3, 7, 2, 5, 0, 4]
+    assert counts.tolist() == [2, 2, 2, 2]
+
+
+def test_import_does_not_load_cupy() -> None:
+    if "cupy" in sys.modules:
+        pytest.skip("cupy already imported in this process")
+    import mpshuffle.comm.nccl  # noqa: F401
+    import mpshuffle.device_shuffler  # noqa: F401
+    import mpshuffle.table.cudf  # noqa: F401
+
+    assert "cupy" not in sys.modules
+
+
+def test_device_table_rejects_bad_columns() -> None:
+    with pytest.raises(ValueError, match="has 3 rows"):
+        DeviceTable({"a": np.zeros(2), "b": np.zeros(3)})
+    with pytest.raises(TypeError, match="dtype <U1|dtype object"):
+        DeviceTable({"a": np.array(["x"], dtype=object)})
+    with pytest.raises(TypeError, match="names must be str"):
+        DeviceTable({1: np.zeros(2)})
