@@ -45,27 +45,26 @@ def _connect(rank: int, nranks: int, address_file: str):  # type: ignore[no-unty
 
     from mpshuffle.comm.tcp import TcpCommunicator
 
-    async def go():  # type: ignore[no-untyped-def]
-        comm = await TcpCommunicator.start(
+    comm = asyncio.run(
+        TcpCommunicator.start(
             rank, nranks, generation="gpu", token="t", listen_address="tcp://127.0.0.1:0"
         )
-        root = None
-        if rank == 0:
-            with open(address_file + ".tmp", "w") as f:
-                f.write(comm.addresses[0])
-            os.replace(address_file + ".tmp", address_file)
-        else:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(address_file):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank 0 wrote no address to {address_file}")
-                time.sleep(0.05)
-            with open(address_file) as f:
-                root = f.read()
-        await comm.rendezvous(root, 120)
-        return comm
-
-    return asyncio.run(go())
+    )
+    root = None
+    if rank == 0:
+        with open(address_file + ".tmp", "w") as f:
+            f.write(comm.addresses[0])
+        os.replace(address_file + ".tmp", address_file)
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(address_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 wrote no address to {address_file}")
+            time.sleep(0.05)
+        with open(address_file) as f:
+            root = f.read()
+    asyncio.run(comm.rendezvous(root, 120))
+    return comm
 
 
 
@@ -148,13 +147,12 @@ def rank_main(rank: int, nranks: int, address_file: str, args: argparse.Namespac
             results.append(rec)
             if rank == 0:
                 print(json.dumps(rec), flush=True)
-        del t, buf, rbuf, sends, recvs
-        cupy.get_default_memory_pool().free_all_blocks()
 
     run_size(0.5, 1)  # warm-up: kernels compiled, NCCL connections made
     results.clear()
     for gb in args.gb:
         run_size(gb, args.reps)
+        cupy.get_default_memory_pool().free_all_blocks()
 
     if args.spill:
         gb = args.spill

@@ -17,19 +17,19 @@ import pytest
 cupy = pytest.importorskip("cupy")
 try:
     _NDEV = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver, or no device
+except Exception:  # noqa: BLE001 - no driver, or no device
     _NDEV = 0
 pytestmark = pytest.mark.skipif(_NDEV < 1, reason="no CUDA device")
 
-from mpshuffle.memory import BufferResource, MemoryType  # noqa: E402
-from mpshuffle.table import get_adapter  # noqa: E402
-from mpshuffle.table.device import (  # noqa: E402
+from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.table import get_adapter
+from mpshuffle.table.device import (
     DeviceAdapter,
     DeviceTable,
     register_device_adapter,
     unpack_piece,
 )
-from mpshuffle.table.hashing import partition_ids  # noqa: E402
+from mpshuffle.table.hashing import partition_ids
 
 HERE = os.path.dirname(__file__)
 

@@ -125,10 +125,11 @@ class DeviceShuffle:
         self.resource = resource or BufferResource()
         self.timeout = timeout
         self.owned = list(range(comm.rank, self.npartitions, comm.nranks))
-        self.statistics: dict[str, float] = dict(
-            seconds_partition=0.0, seconds_counts=0.0, seconds_exchange=0.0,
-            seconds_spill=0.0, bytes_inserted=0, bytes_received=0, bytes_spilled=0, rounds=0,
-        )
+        self.statistics: dict[str, float] = {
+            "seconds_partition": 0.0, "seconds_counts": 0.0, "seconds_exchange": 0.0,
+            "seconds_spill": 0.0, "bytes_inserted": 0, "bytes_received": 0,
+            "bytes_spilled": 0, "rounds": 0,
+        }
         self._adapter = DeviceAdapter()
         self._meta: DeviceTable | None = None
         self._rounds: list[_Round] = []
