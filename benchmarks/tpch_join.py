@@ -55,14 +55,22 @@ def run_once(directory: Path, method: str, npartitions: int | None) -> tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sf", type=float, default=1.0, help="TPC-H scale factor")
-    parser.add_argument("--parts", type=int, default=8, help="parquet files per table (input partitions)")
-    parser.add_argument("--npartitions", type=int, default=None, help="output partitions of the join")
+    parser.add_argument(
+        "--parts", type=int, default=8, help="parquet files per table (input partitions)"
+    )
+    parser.add_argument(
+        "--npartitions", type=int, default=None, help="output partitions of the join"
+    )
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--memory-limit", default="8GiB", help="per worker")
-    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "tpch_join.json"))
+    parser.add_argument(
+        "--out", default=str(Path(__file__).with_name("results") / "tpch_join.json")
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="mpshuffle-tpch-") as tmp:
@@ -71,10 +79,16 @@ def main() -> None:
         warm_dir = generate(0.01, Path(tmp) / "warm", parts=2)
         gen_s = time.perf_counter() - t0
         print(f"generated sf={args.sf} in {gen_s:.1f} s")
-        with LocalCluster(
-            n_workers=args.workers, threads_per_worker=1, processes=True,
-            dashboard_address=":0", memory_limit=args.memory_limit,
-        ) as cluster, Client(cluster) as client:
+        with (
+            LocalCluster(
+                n_workers=args.workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address=":0",
+                memory_limit=args.memory_limit,
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             bootstrap_dask_cluster(client)
             for method in METHODS:
                 run_once(warm_dir, method, None)
@@ -88,8 +102,12 @@ def main() -> None:
                     print(f"{method:>9}: {seconds:7.2f} s  ({rows} orders, revenue {revenue:.2f})")
     (rows_a, rev_a), (rows_b, rev_b) = answers["mpshuffle"], answers["p2p"]
     if rows_a != rows_b or not np.isclose(rev_a, rev_b, rtol=1e-9):
-        raise SystemExit(f"answers differ: mpshuffle {answers['mpshuffle']} vs p2p {answers['p2p']}")
-    summary = {m: {"min_s": min(t), "median_s": statistics.median(t), "all_s": t} for m, t in times.items()}
+        raise SystemExit(
+            f"answers differ: mpshuffle {answers['mpshuffle']} vs p2p {answers['p2p']}"
+        )
+    summary = {
+        m: {"min_s": min(t), "median_s": statistics.median(t), "all_s": t} for m, t in times.items()
+    }
     ratio = summary["p2p"]["median_s"] / summary["mpshuffle"]["median_s"]
     record = {
         "scale_factor": args.sf,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+
 import dask
 import dask.dataframe as dd
 import numpy as np
@@ -30,10 +32,14 @@ def _expected(left: pd.DataFrame, right: pd.DataFrame, how: str, **kw: object) -
     return left.merge(keys, how="inner", on=lk)
 
 
-def _frames(n_left: int = 300, n_right: int = 200, seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _frames(
+    n_left: int = 300, n_right: int = 200, seed: int = 0
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Two frames with the dtypes Dask gives them (it turns ``str`` into ``string[pyarrow]``)."""
     left, right = _raw_frames(n_left, n_right, seed)
-    return dd.from_pandas(left, npartitions=1).compute(), dd.from_pandas(right, npartitions=1).compute()
+    return dd.from_pandas(left, npartitions=1).compute(), dd.from_pandas(
+        right, npartitions=1
+    ).compute()
 
 
 def _raw_frames(n_left: int, n_right: int, seed: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -59,15 +65,24 @@ def _raw_frames(n_left: int, n_right: int, seed: int) -> tuple[pd.DataFrame, pd.
 
 def _clean(client: Client) -> None:
     assert all(s["shufflers"] == [] for s in client.run(worker_state).values())
-    assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.plugins["mpshuffle"].runs)) == 0
+    assert (
+        client.run_on_scheduler(
+            lambda dask_scheduler: len(dask_scheduler.plugins["mpshuffle"].runs)
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("how", HOWS)
 def test_every_how_single_key_different_names(client: Client, how: str) -> None:
     left, right = _frames()
     out = merge(
-        dd.from_pandas(left, npartitions=3), dd.from_pandas(right, npartitions=2), how=how,
-        left_on="k", right_on="key", npartitions=4,
+        dd.from_pandas(left, npartitions=3),
+        dd.from_pandas(right, npartitions=2),
+        how=how,
+        left_on="k",
+        right_on="key",
+        npartitions=4,
     )
     assert out.npartitions == 4
     got = out.compute()
@@ -82,8 +97,11 @@ def test_every_how_two_keys_and_suffixes(client: Client, how: str) -> None:
     left, right = _frames(seed=1)
     right = right.rename(columns={"key": "k", "key2": "k2"})
     out = merge(
-        dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3), how=how,
-        on=["k", "k2"], suffixes=("_l", "_r"),
+        dd.from_pandas(left, npartitions=4),
+        dd.from_pandas(right, npartitions=3),
+        how=how,
+        on=["k", "k2"],
+        suffixes=("_l", "_r"),
     )
     got = out.compute()
     exp = _expected(left, right, how, on=["k", "k2"], suffixes=("_l", "_r"))
@@ -96,7 +114,9 @@ def test_every_how_two_keys_and_suffixes(client: Client, how: str) -> None:
 def test_null_keys_match_like_pandas(client: Client, how: str) -> None:
     left = pd.DataFrame({"k": [1.0, np.nan, 2.0, np.nan, 3.0], "a": range(5)})
     right = pd.DataFrame({"k": [np.nan, 2.0, 4.0, np.nan], "b": range(4)})
-    got = merge(dd.from_pandas(left, npartitions=2), dd.from_pandas(right, npartitions=2), how=how, on="k").compute()
+    got = merge(
+        dd.from_pandas(left, npartitions=2), dd.from_pandas(right, npartitions=2), how=how, on="k"
+    ).compute()
     exp = _expected(left, right, how, on="k")
     # pandas pairs each of the two left NaN keys with each of the two right ones.
     assert exp["k"].isna().sum() == (2 if how == "leftsemi" else 4)
@@ -112,8 +132,11 @@ def test_empty_sides(client: Client, how: str, empty: str) -> None:
     if empty in ("right", "both"):
         right = right.iloc[:0]
     out = merge(
-        dd.from_pandas(left, npartitions=2), dd.from_pandas(right, npartitions=1), how=how,
-        left_on="k", right_on="key",
+        dd.from_pandas(left, npartitions=2),
+        dd.from_pandas(right, npartitions=1),
+        how=how,
+        left_on="k",
+        right_on="key",
     )
     got = out.compute()
     exp = _expected(left, right, how, left_on="k", right_on="key")
@@ -125,8 +148,11 @@ def test_empty_sides(client: Client, how: str, empty: str) -> None:
 def test_both_sides_of_a_partition_are_extracted_on_one_worker(client: Client) -> None:
     left, right = _frames(n_left=400, n_right=300)
     out = merge(
-        dd.from_pandas(left, npartitions=3), dd.from_pandas(right, npartitions=3),
-        left_on="k", right_on="key", npartitions=6,
+        dd.from_pandas(left, npartitions=3),
+        dd.from_pandas(right, npartitions=3),
+        left_on="k",
+        right_on="key",
+        npartitions=6,
     )
     with get_task_stream(client) as ts:
         res = out.compute()
@@ -135,7 +161,7 @@ def test_both_sides_of_a_partition_are_extracted_on_one_worker(client: Client) -
     for rec in ts.data:
         key = rec["key"]
         if isinstance(key, str) and key.startswith("("):
-            key = eval(key)  # the stream may stringify tuple keys
+            key = ast.literal_eval(key)  # the stream may stringify tuple keys
         if isinstance(key, tuple) and "-extract-" in key[0]:
             where[(key[0], key[1])] = rec["worker"]
     names = sorted({k[0] for k in where})
@@ -148,7 +174,13 @@ def test_both_sides_of_a_partition_are_extracted_on_one_worker(client: Client) -
 
 def test_recomputing_a_join_gives_the_same_result(client: Client) -> None:
     left, right = _frames(seed=3)
-    out = merge(dd.from_pandas(left, npartitions=3), dd.from_pandas(right, npartitions=2), "outer", left_on="k", right_on="key")
+    out = merge(
+        dd.from_pandas(left, npartitions=3),
+        dd.from_pandas(right, npartitions=2),
+        "outer",
+        left_on="k",
+        right_on="key",
+    )
     total = out["v_x"].sum() + out["v_y"].sum()
     a, b = out.compute(), out.compute()
     pd.testing.assert_frame_equal(_sorted(a), _sorted(b))
@@ -170,8 +202,12 @@ def test_self_join(client: Client) -> None:
 def test_local_scheduler_without_client() -> None:
     left, right = _frames(n_left=80, n_right=60)
     with dask.config.set(scheduler="sync"):
-        got = merge(dd.from_pandas(left, npartitions=2), right, how="left", left_on="k", right_on="key").compute()
-    pd.testing.assert_frame_equal(_sorted(got), _sorted(left.merge(right, how="left", left_on="k", right_on="key")))
+        got = merge(
+            dd.from_pandas(left, npartitions=2), right, how="left", left_on="k", right_on="key"
+        ).compute()
+    pd.testing.assert_frame_equal(
+        _sorted(got), _sorted(left.merge(right, how="left", left_on="k", right_on="key"))
+    )
 
 
 def test_bad_input_is_rejected() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import dask
 import dask.dataframe as dd
 import numpy as np
@@ -32,7 +34,7 @@ def _input(n: int = 3000, seed: int = 0) -> pd.DataFrame:
 def _no_overlap(parts: list[pd.DataFrame], col: str, ascending: bool = True) -> None:
     """Consecutive non-empty partitions do not overlap: ties are in one partition."""
     ranges = [(p[col].min(), p[col].max()) for p in parts if p[col].notna().any()]
-    for (lo1, hi1), (lo2, hi2) in zip(ranges, ranges[1:]):
+    for (lo1, hi1), (lo2, hi2) in itertools.pairwise(ranges):
         assert (hi1 < lo2) if ascending else (lo1 > hi2)
 
 
@@ -94,7 +96,9 @@ def test_set_index_divisions(client: Client) -> None:
     # Known divisions make a selection read only the partitions that can hold it.
     sel = out.loc["s10":"s12"]
     assert sel.npartitions < out.npartitions or out.npartitions == 1
-    pd.testing.assert_frame_equal(sel.compute().sort_values(["x", "y"]), exp.loc["s10":"s12"].sort_values(["x", "y"]))
+    pd.testing.assert_frame_equal(
+        sel.compute().sort_values(["x", "y"]), exp.loc["s10":"s12"].sort_values(["x", "y"])
+    )
 
 
 def test_set_index_nulls_go_last_and_drop_false(client: Client) -> None:

@@ -42,6 +42,8 @@ def test_q_join_equals_duckdb(client: Client, tpch_dir: Path) -> None:
     exp = exp.sort_values("l_orderkey").reset_index(drop=True)
     assert got["l_orderkey"].tolist() == exp["l_orderkey"].tolist()
     assert got["o_shippriority"].tolist() == exp["o_shippriority"].tolist()
-    assert [pd.Timestamp(d) for d in got["o_orderdate"]] == [pd.Timestamp(d) for d in exp["o_orderdate"]]
+    assert [pd.Timestamp(d) for d in got["o_orderdate"]] == [
+        pd.Timestamp(d) for d in exp["o_orderdate"]
+    ]
     np.testing.assert_allclose(got["revenue"].to_numpy(), exp["revenue"].to_numpy(), rtol=1e-12)
     assert all(s["shufflers"] == [] for s in client.run(worker_state).values())

@@ -15,10 +15,10 @@ import sys
 # import time; type checkers honour a module-level constant of this name.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
     from collections.abc import Sequence
     from importlib.machinery import ModuleSpec
     from types import ModuleType
+    from typing import Any
 
 __all__ = ["install"]
 

@@ -61,7 +61,14 @@ def generate(scale_factor: float, out_dir: str | os.PathLike[str], parts: int = 
         raise FileNotFoundError("tpchgen-cli not found (pip install tpchgen-cli)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [cli, "parquet", "-s", str(scale_factor), "--tables=lineitem,orders", f"--output-dir={out}"]
+    cmd = [
+        cli,
+        "parquet",
+        "-s",
+        str(scale_factor),
+        "--tables=lineitem,orders",
+        f"--output-dir={out}",
+    ]
     if parts > 1:
         cmd.append(f"--parts={int(parts)}")
     subprocess.run(cmd, check=True, capture_output=True)
@@ -124,11 +131,19 @@ def q_join(
     items = lineitem[["l_orderkey", "l_extendedprice", "l_discount", "l_shipdate"]]
     items = items[items["l_shipdate"] > CUTOFF]
     items = items.assign(
-        revenue=items["l_extendedprice"].astype("float64") * (1.0 - items["l_discount"].astype("float64"))
+        revenue=items["l_extendedprice"].astype("float64")
+        * (1.0 - items["l_discount"].astype("float64"))
     )[["l_orderkey", "revenue"]]
     heads = orders[["o_orderkey", "o_orderdate", "o_shippriority"]]
     heads = heads[heads["o_orderdate"] < CUTOFF]
-    joined = merge(items, heads, how="inner", left_on="l_orderkey", right_on="o_orderkey", npartitions=npartitions)
+    joined = merge(
+        items,
+        heads,
+        how="inner",
+        left_on="l_orderkey",
+        right_on="o_orderkey",
+        npartitions=npartitions,
+    )
     meta = _revenue_per_order(joined._meta)
     return joined.map_partitions(_revenue_per_order, meta=meta)
 

@@ -63,7 +63,10 @@ class MPShuffleAccessor:
         return merge(self._df, right, how=how, on=on, **kwargs)
 
     def sort_values(
-        self, by: Hashable | Sequence[Hashable], ascending: bool | Sequence[bool] = True, **kwargs: Any
+        self,
+        by: Hashable | Sequence[Hashable],
+        ascending: bool | Sequence[bool] = True,
+        **kwargs: Any,
     ) -> dd.DataFrame:
         """Sort by ``by``; see :func:`mpshuffle.dask.sort_values` for the arguments."""
         from mpshuffle.dask.sort import sort_values

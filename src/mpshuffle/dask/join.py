@@ -122,7 +122,12 @@ def merge(
         right = right[right_on].rename(columns=dict(zip(right_on, left_on, strict=True)))
         right_on = list(left_on)
         pandas_how = "inner"
-    kwargs = {"how": pandas_how, "left_on": left_on, "right_on": right_on, "suffixes": tuple(suffixes)}
+    kwargs = {
+        "how": pandas_how,
+        "left_on": left_on,
+        "right_on": right_on,
+        "suffixes": tuple(suffixes),
+    }
     meta = make_meta(meta_nonempty(left._meta).merge(meta_nonempty(right._meta), **kwargs))
 
     lshuf = shuffle(left, left_on, npartitions=npartitions, ignore_index=True)
@@ -173,7 +178,9 @@ def _as_collection(df: Any, side: str) -> dd.DataFrame:
     if isinstance(df, pd.DataFrame):
         return dd.from_pandas(df, npartitions=1)
     if not isinstance(df, dd.DataFrame):
-        raise TypeError(f"merge: {side} must be a dask or pandas DataFrame, got {type(df).__name__}")
+        raise TypeError(
+            f"merge: {side} must be a dask or pandas DataFrame, got {type(df).__name__}"
+        )
     return df
 
 
@@ -202,7 +209,9 @@ def _keys(
     for side, df, ks in (("left", left, lkeys), ("right", right, rkeys)):
         missing = [k for k in ks if k not in df.columns]
         if missing:
-            raise KeyError(f"merge: key column(s) {missing!r} not in the {side} columns {list(df.columns)!r}")
+            raise KeyError(
+                f"merge: key column(s) {missing!r} not in the {side} columns {list(df.columns)!r}"
+            )
     return lkeys, rkeys
 
 

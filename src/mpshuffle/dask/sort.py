@@ -73,7 +73,9 @@ class RangePartitioner:
         ids[null] = 0 if self.na_first else self.npartitions - 1
         valid = ~null
         if valid.any():
-            pos = np.asarray(self.bounds.searchsorted(column[valid].array, side="right"), dtype=np.int64)
+            pos = np.asarray(
+                self.bounds.searchsorted(column[valid].array, side="right"), dtype=np.int64
+            )
             ids[valid] = pos if self.ascending else len(self.bounds) - pos
         return ids
 
@@ -134,9 +136,13 @@ def sort_values(
     if not by:
         raise ValueError("sort_values needs at least one column in 'by'")
     _check_columns(df, by, "sort_values")
-    asc = [bool(ascending)] * len(by) if isinstance(ascending, (bool, np.bool_)) else list(ascending)
+    asc = (
+        [bool(ascending)] * len(by) if isinstance(ascending, (bool, np.bool_)) else list(ascending)
+    )
     if len(asc) != len(by):
-        raise ValueError(f"sort_values: ascending has {len(asc)} values for {len(by)} columns of 'by'")
+        raise ValueError(
+            f"sort_values: ascending has {len(asc)} values for {len(by)} columns of 'by'"
+        )
     if na_position not in ("first", "last"):
         raise ValueError(f"sort_values: na_position must be 'first' or 'last', got {na_position!r}")
     df = df.optimize()
@@ -222,7 +228,9 @@ def _check_frame(df: Any, what: str) -> None:
 def _check_columns(df: dd.DataFrame, columns: list[Any], what: str) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
-        raise KeyError(f"{what}: column(s) {missing!r} not in the DataFrame's columns {list(df.columns)!r}")
+        raise KeyError(
+            f"{what}: column(s) {missing!r} not in the DataFrame's columns {list(df.columns)!r}"
+        )
 
 
 def _as_list(keys: Any) -> list[Any]:
@@ -257,7 +265,9 @@ def _boundaries(
     values_meta = df._meta[column].iloc[:0].reset_index(drop=True)
     meta = pd.DataFrame({"value": values_meta, "weight": pd.Series([], dtype="float64")})
     sample, lo, hi = dask.compute(
-        df.map_partitions(_sample, column, max(int(sample_size), 1), meta=meta), key.min(), key.max()
+        df.map_partitions(_sample, column, max(int(sample_size), 1), meta=meta),
+        key.min(),
+        key.max(),
     )
     empty = pd.Index(values_meta)
     if len(sample) == 0 or pd.isna(lo):
@@ -325,7 +335,9 @@ def _range_shuffle(
     return keys, graph
 
 
-def _sort_partition(frame: pd.DataFrame, by: list[Any], ascending: list[bool], na_position: str) -> pd.DataFrame:
+def _sort_partition(
+    frame: pd.DataFrame, by: list[Any], ascending: list[bool], na_position: str
+) -> pd.DataFrame:
     """Task: sort one output partition (stable, so equal keys keep their input order)."""
     return frame.sort_values(by, ascending=ascending, na_position=na_position, kind="stable")
 
