@@ -148,3 +148,19 @@ def test_multiprocessing_scheduler_is_refused() -> None:
     with dask.config.set(scheduler="processes"):
         with pytest.raises(ValueError, match="multiprocessing"):
             shuffle(df, "a")
+
+
+def test_local_partial_compute_then_full_compute() -> None:
+    """Computing one output partition, then all, starts a fresh run and frees the first."""
+    from mpshuffle.dask.graph import _LOCAL
+
+    pdf = pd.DataFrame({"k": np.arange(200) % 7, "v": np.arange(200)})
+    df = dd.from_pandas(pdf, npartitions=4)
+    with dask.config.set(scheduler="sync"):
+        out = shuffle(df, "k", npartitions=3, ignore_index=True)
+        first = out.partitions[0].compute()
+        assert set(partition_ids(first[["k"]], 3)) <= {0}
+        parts = list(dask.compute(*out.to_delayed()))
+        _check(pdf, parts, ["k"])
+        pd.testing.assert_frame_equal(parts[0], first)
+    assert _LOCAL.context.shufflers == {}

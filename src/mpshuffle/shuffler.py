@@ -389,6 +389,11 @@ class Shuffler:
         self.close()
 
     @property
+    def inputs_done(self) -> bool:
+        """Whether :meth:`insert_finished` ran on this rank (no more inserts accepted)."""
+        return self._inputs_done
+
+    @property
     def closed(self) -> bool:
         """Whether the run's state on this rank was freed."""
         return self._closed

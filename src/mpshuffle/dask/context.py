@@ -219,13 +219,21 @@ class LocalRuntime:
                 self._context = WorkerContext(LocalCommunicator(), "local", options, workers=("local",))
             return self._context
 
-    def get_run(self, token: str, npartitions: int) -> RunInfo:
-        """The active run of graph ``token``, or a new one."""
+    def get_run(self, token: str, npartitions: int, inserting: bool = False) -> RunInfo:
+        """The active run of graph ``token``, or a new one.
+
+        An insert into a run whose inputs are already done starts a new
+        computation of the graph (an earlier one extracted only some
+        partitions): the old run is freed and a new one begins.
+        """
         ctx = self.context
         with self._lock:
             run = self._runs.get(token)
-            if run is not None and (run.op_id in ctx.shufflers or not _ended(ctx, run.op_id)):
-                return run
+            if run is not None and not _ended(ctx, run.op_id):
+                old = ctx.shufflers.get(run.op_id)
+                if not (inserting and old is not None and old.inputs_done):
+                    return run
+                ctx.end_run(run.op_id)
             run = RunInfo(token, next(self._ops), "local", ("local",), npartitions)
             self._runs[token] = run
             return run

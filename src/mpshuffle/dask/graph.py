@@ -189,12 +189,12 @@ def _runtime() -> tuple[Any, bool]:
     return plugin, True
 
 
-def _bind(spec: ShuffleSpec) -> tuple[RunInfo, WorkerContext, Any]:
+def _bind(spec: ShuffleSpec, inserting: bool = False) -> tuple[RunInfo, WorkerContext, Any]:
     runtime, distributed_ = _runtime()
     if distributed_:
         run = runtime.get_run(spec.token, spec.npartitions, spec.extract_name, spec.barrier_name)
         return run, runtime.context_for(run), runtime
-    run = runtime.get_run(spec.token, spec.npartitions)
+    run = runtime.get_run(spec.token, spec.npartitions, inserting=inserting)
     return run, runtime.context, runtime
 
 
@@ -216,7 +216,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
     Returns a small record of the run (``op_id``, ``generation``) for the barrier.
     """
     with phase("bootstrap"):
-        run, ctx, runtime = _bind(spec)
+        run, ctx, runtime = _bind(spec, inserting=True)
     with _guard(runtime, "insert", run, ctx):
         adapter = get_adapter(frame)
         if not adapter.matches(spec.meta):
