@@ -127,7 +127,6 @@ class TcpCommunicator(Communicator):
             address, self._handle_comm, deserialize=False, **kwargs
         )
         self._listener.on_connection = self._guarded_handshake(self._listener.on_connection)
-        await self._listener.start()
         self.addresses[self.rank] = self._listener.contact_address
 
     # -- bootstrap -------------------------------------------------------
