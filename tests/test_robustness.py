@@ -124,10 +124,14 @@ def _swallowed(client: Client, worker: str) -> int:
 # -- 1. CLI-started cluster -----------------------------------------------------
 
 
+@pytest.mark.timeout(300)  # four Python processes start on 2 shared cores
 def test_cli_started_cluster(tmp_path: Any) -> None:
     dask_cli = os.path.join(os.path.dirname(sys.executable), "dask")
     sched_file = str(tmp_path / "scheduler.json")
-    common = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": str(tmp_path)}
+    # The processes unpickle this module's helper functions by reference.
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    common = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": str(tmp_path), "env": env}
     procs = [
         subprocess.Popen(
             [dask_cli, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0",
@@ -141,7 +145,7 @@ def test_cli_started_cluster(tmp_path: Any) -> None:
             procs.append(
                 subprocess.Popen(
                     [dask_cli, "worker", "--scheduler-file", sched_file, "--host", "127.0.0.1",
-                     "--nthreads", "1", "--no-dashboard", "--memory-limit", "2GiB"],
+                     "--nthreads", "1", "--no-dashboard", "--memory-limit", "2GiB", "--no-nanny"],
                     **common,
                 )
             )
@@ -227,7 +231,8 @@ def test_concurrent_bootstraps_from_two_processes(client: Client) -> None:
 # -- 4. Changing membership ------------------------------------------------------
 
 
-def test_membership_changes(tmp_path: Any) -> None:
+@pytest.mark.timeout(300)  # starts a cluster and a third worker process
+def test_membership_changes() -> None:
     pdf = _frame()
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
