@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -473,9 +472,8 @@ def _capture_refusals(dask_worker):  # type: ignore[no-untyped-def]
 
 
 def _refusals(dask_worker):  # type: ignore[no-untyped-def]
-    import logging
 
-    handler, records = dask_worker.mpshuffle_log
+    _, records = dask_worker.mpshuffle_log
     return [r for r in records if "refused connection" in r]
 
 

@@ -167,7 +167,7 @@ class Communicator(abc.ABC):
             self._waiters[(src, tag)].append(fut)
             try:
                 await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise CommTimeoutError(
                     f"rank {self.rank} waited {timeout:g} s for message {tag!r} from rank "
                     f"{src} ({self.addresses[src]}), which did not arrive",
@@ -197,7 +197,7 @@ class Communicator(abc.ABC):
         """Blocking twin of :meth:`asend`; not callable on the progress thread."""
         self._run_sync(self._send_checked(dest, tag, list(frames)), timeout)
 
-    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> "asyncio.Future[None] | Any":
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> asyncio.Future[None] | Any:
         """Start sending and return a :class:`concurrent.futures.Future` at once.
 
         Messages to the same ``dest`` started from one thread are delivered in

@@ -259,7 +259,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             raise BootstrapError(f"generation {generation} is not being bootstrapped")
         try:
             await asyncio.wait_for(event.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BootstrapError(
                 f"rank 0 (worker {gen.workers[0]}) of generation {generation} did not publish "
                 f"its address within {timeout:g} s"
@@ -331,7 +331,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             return {"restart": False, "alive": []}
         try:
             await asyncio.wait_for(run.ended.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         assert self.scheduler is not None
         alive = [w for w in run.generation.workers if w in self.scheduler.workers]
