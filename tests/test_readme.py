@@ -40,3 +40,12 @@ def test_readme_usage_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     sizes = eval(proc.stdout.strip().splitlines()[0])
     assert len(sizes) == 8 and sum(sizes) > 0
+
+
+def test_readme_accessor_example_runs(tmp_path: Path) -> None:
+    accessor = next(b for b in _blocks("python") if "df.mpshuffle" in b)
+    script = tmp_path / "accessor.py"
+    script.write_text(accessor)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[40, 30, 20, 10]" in proc.stdout
