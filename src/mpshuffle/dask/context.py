@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from mpshuffle.dask.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.shuffler import TAG, Shuffler
@@ -71,6 +73,10 @@ class WorkerContext:
         Running shuffles on this rank, by ``op_id``.
     history
         Statistics of the last finished runs, as ``(op_id, statistics)``.
+    device
+        This rank's GPU (:class:`~mpshuffle.dask.device.DeviceState`: device
+        id, ``spill_device`` budget, ``pool_size`` pool), or ``None`` where
+        CuPy or a GPU is missing.
     """
 
     def __init__(
@@ -90,23 +96,31 @@ class WorkerContext:
         self.options = options
         self.workers = workers
         worker = workers[comm.rank] if comm.rank < len(workers) else comm.addresses[comm.rank]
+        self.device = setup_device(options, comm.rank)
+        limits: dict[MemoryType, int | None] = {MemoryType.HOST: options.host_budget(memory_limit)}
+        if self.device is not None:
+            limits[MemoryType.DEVICE] = self.device.budget
         self.resource = BufferResource(
-            {MemoryType.HOST: options.host_budget(memory_limit)},
+            limits,
             spill_dir=options.spill_dir or local_directory,
             owner=f"rank {comm.rank} (worker {worker})",
             spill_prefix=f"mpshuffle-{generation}",
         )
-        self.shufflers: dict[int, Shuffler] = {}
+        self.shufflers: dict[int, Shuffler | DeviceRun] = {}
         self.history: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=_HISTORY)
         self._finished: collections.deque[int] = collections.deque(maxlen=4096)
         self._failed: dict[int, BaseException] = {}
         self._lock = threading.RLock()
         self._closed = False
         comm.register_handler(TAG, self._on_message)
+        comm.register_handler(DEVICE_TAG, self._on_device_message)
         comm.on_peer_lost(self._on_peer_lost)
 
-    def shuffler(self, op_id: int) -> Shuffler:
+    def shuffler(self, op_id: int, *, device: bool = False) -> Any:
         """The shuffler of run ``op_id`` on this rank, created on first use.
+
+        A :class:`~mpshuffle.shuffler.Shuffler`, or with ``device=True`` a
+        :class:`~mpshuffle.dask.device.DeviceRun` (device tables over NCCL).
 
         Raises
         ------
@@ -125,10 +139,16 @@ class WorkerContext:
                 raise ShuffleError(f"shuffle op {op_id} failed: {err}")
             if op_id in self._finished:
                 raise ShuffleError(f"shuffle op {op_id} already finished on rank {self.rank}")
-            s = Shuffler(
-                self.comm, op_id, resource=self.resource,
-                batch_bytes=self.options.batch_bytes, on_done=self._on_done,
-            )
+            if device:
+                s = DeviceRun(
+                    self.comm, op_id, resource=self.resource, state=self.device,
+                    key=self.generation, timeout=self.options.timeout, on_done=self._on_done,
+                )
+            else:
+                s = Shuffler(
+                    self.comm, op_id, resource=self.resource,
+                    batch_bytes=self.options.batch_bytes, on_done=self._on_done,
+                )
             self.shufflers[op_id] = s
             return s
 
@@ -147,6 +167,19 @@ class WorkerContext:
                 return
             s = self.shuffler(op_id)
         s.receive(src, tag, frames)
+
+    def _on_device_message(self, src: int, tag: Tag, frames: Frames) -> None:
+        op_id = tag[1]
+        with self._lock:
+            if op_id in self._finished or op_id in self._failed or self._closed:
+                logger.debug("mpshuffle: dropped %r from rank %d for a finished run", tag, src)
+                return
+            s = self.shuffler(op_id, device=True)
+        s.receive(src, tag, frames)
+
+    def device_scope(self) -> Any:
+        """Context manager making this rank's GPU current in the calling thread (no-op without one)."""
+        return self.device.scope() if self.device is not None else contextlib.nullcontext()
 
     def _on_peer_lost(self, rank: int, reason: str) -> None:
         address = self.workers[rank] if rank < len(self.workers) else self.comm.addresses[rank]
@@ -190,6 +223,8 @@ class WorkerContext:
         for s in shufflers:
             s.fail(ShuffleError(f"generation {self.generation} was closed on rank {self.rank}"))
             s.close()
+        if self.device is not None:
+            self.device.close()
         self.comm.close()
 
 

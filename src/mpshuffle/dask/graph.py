@@ -16,6 +16,7 @@ state) and is refused with a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ import numpy as np
 from dask.base import tokenize
 
 from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
+from mpshuffle.dask.device import is_device_meta
 from mpshuffle.errors import ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 
@@ -225,8 +227,15 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
                 f"meta is a {type(spec.meta).__name__}"
             )
         _check_columns(adapter, frame, spec, input_index)
-        pieces = _split(adapter, frame, spec)
-        ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout)
+        if is_device_meta(spec.meta):
+            # Device tables stay on the GPU; they move over NCCL at the barrier.
+            ids = None if spec.partitioner is None else _device_ids(adapter, frame, spec)
+            ctx.shuffler(run.op_id, device=True).insert(
+                input_index, frame, spec.on, spec.npartitions, ids
+            )
+        else:
+            pieces = _split(adapter, frame, spec)
+            ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout)
     return {"op_id": run.op_id, "generation": run.generation}
 
 
@@ -249,6 +258,18 @@ def _split(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
             f"[0, {spec.npartitions}) for a frame of {adapter.num_rows(frame)} rows"
         )
     return adapter.split(frame, list(spec.on), spec.npartitions, ids=ids)
+
+
+def _device_ids(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
+    ids = frame.xp.asarray(spec.partitioner(frame)).astype(np.int64)
+    if ids.shape != (adapter.num_rows(frame),) or (
+        len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= spec.npartitions)
+    ):
+        raise ShuffleError(
+            f"the partitioner {spec.partitioner!r} returned ids of shape {ids.shape} outside "
+            f"[0, {spec.npartitions}) for a frame of {adapter.num_rows(frame)} rows"
+        )
+    return ids
 
 
 def _check_columns(adapter: Any, frame: Any, spec: ShuffleSpec, input_index: int) -> None:
@@ -279,7 +300,9 @@ def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
                 f"the inserts of shuffle {spec.token} ran in different runs {sorted(ops)}; "
                 "the run was restarted (a worker left or the generation changed)"
             )
-        ctx.shuffler(run.op_id).barrier(spec.npartitions, ctx.options.timeout)
+        ctx.shuffler(run.op_id, device=is_device_meta(spec.meta)).barrier(
+            spec.npartitions, ctx.options.timeout
+        )
     return {"op_id": run.op_id, "generation": run.generation, "workers": run.workers}
 
 
@@ -303,8 +326,10 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
         ctx = runtime.context
     adapter = _with_index(get_adapter(spec.meta), spec)
     with _guard(runtime, "extract", run, ctx):
-        pieces = ctx.shuffler(op_id).extract(partition_id, ctx.options.timeout)
-        out = adapter.unpack(pieces, spec.meta)
+        on_device = is_device_meta(spec.meta)
+        pieces = ctx.shuffler(op_id, device=on_device).extract(partition_id, ctx.options.timeout)
+        with ctx.device_scope() if on_device else contextlib.nullcontext():
+            out = adapter.unpack(pieces, spec.meta)
     if not distributed_ and op_id not in ctx.shufflers:
         runtime.end_run(spec.token)
     return out

@@ -1,0 +1,676 @@
+"""The device run path of a Dask shuffle: device tables moved GPU to GPU over NCCL.
+
+A shuffle graph whose meta is a :class:`~mpshuffle.table.device.DeviceTable`
+with CuPy columns runs here instead of in the host
+:class:`~mpshuffle.shuffler.Shuffler`; the graph (insert -> barrier ->
+extract) and the run's lifecycle in the :class:`~mpshuffle.dask.context.WorkerContext`
+are the same.
+
+* **insert** (task thread): hash-partition the table on its GPU and pack its
+  rows into one device buffer, ordered by owner rank, so that the pieces for
+  each destination rank are one contiguous byte range. The buffer stays on
+  this rank in the run's *outbox*, accounted as ``DEVICE`` memory; past the
+  device budget (``spill_device``) the oldest outbox buffers are copied to
+  host memory (and accounted as ``HOST``).
+* **barrier**: the barrier task sends ``inputs-done`` to every rank over the
+  host communicator. On receipt each rank starts one collective *exchange* on
+  a thread of its own (never on the progress thread or a worker's event
+  loop): the NCCL transport is created there on first use (once per
+  generation; its unique id travels over the host communicator and its
+  blocking join happens on this thread), the byte ranges and piece headers
+  go to every peer over the host communicator, then the outbox buffers move
+  in *rounds*, one input buffer per rank and round, each round one grouped
+  NCCL send/receive straight between the GPUs. Received buffers are
+  accounted as ``DEVICE`` and spilled to host past the budget after each
+  round, so the device holds about the budget plus one round. Each rank
+  acknowledges the barrier when its exchange ended (with the error, if any).
+* **extract**: waits for the exchange and returns the partition's pieces
+  (views into the received buffers, on the device or spilled to host),
+  ordered by input partition; the device adapter concatenates them on the GPU.
+
+Rounds keep NCCL's rule that both sides post their transfers in the same
+order without further messages: every rank knows, from the headers, which
+peer sends what in round ``k``.
+
+Limitations: exchanges of one generation run one at a time on each rank, in
+the order their ``inputs-done`` arrived; two device shuffles whose barriers
+run concurrently on the same generation can order them differently on
+different ranks and then deadlock in NCCL. Spilling stops at host memory
+(no disk tier for device buffers). A peer lost in the middle of an NCCL
+round is not detected by NCCL itself; the barrier's and extract's timeouts
+end the tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from mpshuffle.errors import ShuffleError
+from mpshuffle.memory import BufferResource, MemoryType, Reservation
+from mpshuffle.table import PackedData
+from mpshuffle.table.device import (
+    DeviceAdapter,
+    DeviceTable,
+    pack_sorted,
+    partition_order,
+    rank_major_pids,
+)
+
+if TYPE_CHECKING:
+    from mpshuffle.comm import Communicator, Frames, Tag
+    from mpshuffle.comm.nccl import NcclTransport
+    from mpshuffle.config import Options
+
+__all__ = ["DEVICE_TAG", "DeviceRun", "DeviceState", "is_device_meta", "setup_device"]
+
+logger = logging.getLogger(__name__)
+
+# Control messages handled on the progress thread: ("mpsd", op_id, kind).
+DEVICE_TAG = "mpsd"
+# Headers of an exchange, taken with Communicator.recv: ("mpsd-x", op_id, "headers").
+_XTAG = "mpsd-x"
+
+
+def is_device_meta(meta: object) -> bool:
+    """Whether a shuffle of frames like ``meta`` takes the device run path.
+
+    True for a :class:`DeviceTable` whose columns are not NumPy arrays (CuPy);
+    NumPy-backed device tables (the host twin) use the host path.
+    """
+    return isinstance(meta, DeviceTable) and meta.xp is not np
+
+
+class DeviceState:
+    """The GPU of one rank and its NCCL transport (created on first use).
+
+    Attributes
+    ----------
+    device
+        CUDA device id this rank uses.
+    budget
+        Device bytes the shuffle buffers may hold before spilling (``spill_device``).
+    pool_bytes
+        Bytes CuPy's memory pool holds after the ``pool_size`` reservation (0 without one).
+    """
+
+    def __init__(self, device: int, budget: int, pool_bytes: int) -> None:
+        self.device = device
+        self.budget = budget
+        self.pool_bytes = pool_bytes
+        self._transport: NcclTransport | None = None
+        # One exchange at a time per rank: NCCL operations of two exchanges
+        # on one communicator must not interleave.
+        self.exchange_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Make this rank's GPU current in the calling thread (CUDA's current device is per thread)."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            yield
+
+    def transport(self, comm: Communicator, key: str, timeout: float) -> NcclTransport:
+        """The NCCL transport over ``comm``'s ranks; the first call is collective.
+
+        Called under :attr:`exchange_lock` from an exchange thread, which is
+        where NCCL's blocking join happens.
+        """
+        if self._transport is None:
+            from mpshuffle.comm.nccl import NcclTransport
+
+            self._transport = NcclTransport.create(comm, key=key, device=self.device, timeout=timeout)
+        return self._transport
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator, if one was created. Idempotent."""
+        t, self._transport = self._transport, None
+        if t is not None:
+            t.close()
+
+
+def setup_device(options: Options, rank: int) -> DeviceState | None:
+    """Pick this rank's GPU, reserve the pool and size the device budget.
+
+    The device is ``rank % ndevices`` among the visible ones; a worker
+    pinned to one GPU (``CUDA_VISIBLE_DEVICES``, as dask-cuda does) sees one
+    and uses it. Registers the device frame adapter.
+
+    Parameters
+    ----------
+    options
+        ``pool_size`` (fraction of the device CuPy's pool takes now, or
+        ``None``) and ``spill_device`` (fraction of the device at which the
+        shuffle's device buffers spill to host).
+    rank
+        This worker's rank.
+
+    Returns
+    -------
+    DeviceState or None
+        ``None`` where CuPy does not import or no GPU is visible.
+
+    Raises
+    ------
+    MemoryError
+        If the pool reservation does not fit on the device.
+    """
+    try:
+        import cupy
+
+        ndev = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device: no device path
+        return None
+    if ndev < 1:
+        return None
+    from mpshuffle.memory.device import device_budget, reserve_device_pool
+    from mpshuffle.table.device import register_device_adapter
+
+    register_device_adapter()
+    device = rank % ndev
+    with cupy.cuda.Device(device):
+        pool = reserve_device_pool(options.pool_size) if options.pool_size else 0
+        budget = device_budget(options.spill_device)
+    logger.info(
+        "mpshuffle: rank %d uses GPU %d (CUDA_VISIBLE_DEVICES=%s), pool %d bytes, device budget %d bytes",
+        rank, device, os.environ.get("CUDA_VISIBLE_DEVICES"), pool, budget,
+    )
+    return DeviceState(device, budget, pool)
+
+
+@dataclasses.dataclass
+class _Buffer:
+    """One device buffer of the run (an outbox or a received buffer), maybe spilled to host."""
+
+    data: Any  # 1-D uint8, CuPy (device) or NumPy (spilled / host twin)
+    reservation: Reservation
+    on_device: bool = True
+
+    def spill(self, resource: BufferResource) -> int:
+        """Move to host memory; return the bytes moved (0 if already there)."""
+        if not self.on_device:
+            return 0
+        nbytes = int(self.data.nbytes)
+        data = self.data
+        self.data = data.get() if hasattr(data, "get") else data.copy()
+        self.reservation.release()
+        self.reservation = resource.reserve(MemoryType.HOST, nbytes)
+        self.on_device = False
+        return nbytes
+
+
+# (pid, offset in the range, data bytes, rows, adapter metadata)
+_Piece = tuple[int, int, int, int, bytes]
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    """One inserted table, packed: per destination rank a byte range and its pieces."""
+
+    input_index: int
+    buffer: _Buffer | None
+    ranges: dict[int, tuple[int, int, list[_Piece]]]
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """The bytes one source rank sent of one input partition."""
+
+    input_index: int
+    src: int
+    buffer: _Buffer
+    pieces: list[_Piece]
+
+
+class DeviceRun:
+    """One rank's state of one device shuffle run (see the module docstring).
+
+    Has the interface the worker context expects of a run (``insert``,
+    ``barrier``, ``extract``, ``receive``, ``fail``, ``close``,
+    ``statistics``, ``inputs_done``, ``closed``).
+
+    Parameters
+    ----------
+    comm
+        The generation's host communicator.
+    op_id
+        Id of the run, unique within the generation.
+    resource
+        The worker's budgets; its ``DEVICE`` limit is the device budget.
+    state
+        This rank's GPU and transport; ``None`` only for a single rank
+        (no transport needed), e.g. NumPy device tables in tests.
+    key
+        Distinguishes the generation's NCCL transport (the generation id).
+    timeout
+        Seconds to wait for peers' headers and for the NCCL transport's unique id.
+    on_done
+        Called once with ``op_id`` when the run's state is freed.
+
+    Attributes
+    ----------
+    statistics
+        ``bytes_inserted``, ``bytes_sent`` (to other ranks), ``bytes_received``
+        (from other ranks and itself), ``bytes_spilled`` (device to host),
+        ``rounds``, ``seconds_insert``, ``seconds_headers``,
+        ``seconds_exchange`` (NCCL rounds), ``seconds_spill``,
+        ``seconds_wait``, ``seconds_extract``.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        op_id: int,
+        *,
+        resource: BufferResource,
+        state: DeviceState | None,
+        key: str,
+        timeout: float,
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.comm = comm
+        self.op_id = op_id
+        self.resource = resource
+        self.state = state
+        self.key = key
+        self.timeout = timeout
+        self._on_done = on_done
+        self.npartitions: int | None = None
+        self.statistics: dict[str, float] = {
+            "bytes_inserted": 0, "bytes_sent": 0, "bytes_received": 0, "bytes_spilled": 0,
+            "rounds": 0, "seconds_insert": 0.0, "seconds_headers": 0.0,
+            "seconds_exchange": 0.0, "seconds_spill": 0.0, "seconds_wait": 0.0,
+            "seconds_extract": 0.0,
+        }
+        self._lock = threading.Lock()
+        self._outbox: list[_Outgoing] = []
+        self._incoming: list[_Incoming] = []
+        self._owned: set[int] = set()
+        self._extracted: set[int] = set()
+        self._inputs_done = False
+        self._thread: threading.Thread | None = None
+        self._reply_to: list[int] = []
+        self._exchanged = threading.Event()
+        self._acks: dict[int, str] = {}
+        self._acks_event = threading.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._adapter = DeviceAdapter()
+
+    def _scope(self) -> Any:
+        return self.state.scope() if self.state is not None else contextlib.nullcontext()
+
+    # -- insert (task thread) ------------------------------------------------
+    def insert(
+        self, input_index: int, frame: DeviceTable, on: Sequence[Any], npartitions: int,
+        ids: Any = None,
+    ) -> None:
+        """Partition and pack one input table into this rank's outbox (no transfer yet).
+
+        Parameters
+        ----------
+        input_index
+            Index of the input partition (orders rows in the output).
+        frame
+            The table, on this rank's GPU.
+        on
+            Key columns (hash partitioning) unless ``ids`` is given.
+        npartitions
+            Number of output partitions.
+        ids
+            Optional output partition id of every row (shape ``(n,)``).
+
+        Raises
+        ------
+        ShuffleError
+            If the run failed or its inputs are done, the table is on another
+            GPU than this rank's, or a multi-rank run has no GPU.
+        """
+        self._raise_if_failed()
+        if self._inputs_done:
+            raise ShuffleError(f"insert after the barrier in device shuffle op {self.op_id}")
+        nranks = self.comm.nranks
+        if self.state is None and nranks > 1:
+            raise ShuffleError(
+                f"device shuffle op {self.op_id}: rank {self.comm.rank} sees no GPU (CuPy with a "
+                "visible CUDA device is needed on every worker)"
+            )
+        self._check_device(frame, input_index)
+        t0 = time.perf_counter()
+        with self._scope():
+            if ids is None:
+                ids = self._adapter.partition_ids(frame, list(on), npartitions)
+            order, counts = partition_order(ids, npartitions, nranks)
+            del ids
+            pieces = pack_sorted(frame, order, counts, rank_major_pids(npartitions, nranks))
+            del order
+        ranges: dict[int, tuple[int, int, list[_Piece]]] = {}
+        buffer = None
+        if pieces:
+            base = next(iter(pieces.values())).data.base
+            if base is None:
+                base = next(iter(pieces.values())).data
+            base_ptr = _ptr(base)
+            for dest in range(nranks):
+                mine = [(p, pieces[p]) for p in range(dest, npartitions, nranks) if p in pieces]
+                if not mine:
+                    continue
+                start = _ptr(mine[0][1].data) - base_ptr
+                end = _ptr(mine[-1][1].data) - base_ptr + int(mine[-1][1].data.nbytes)
+                ranges[dest] = (start, end, [
+                    (p, _ptr(pk.data) - base_ptr - start, int(pk.data.nbytes), pk.nrows, bytes(pk.metadata))
+                    for p, pk in mine
+                ])
+            buffer = _Buffer(base, self.resource.reserve(MemoryType.DEVICE, int(base.nbytes)))
+        with self._lock:
+            self._outbox.append(_Outgoing(input_index, buffer, ranges))
+            self.statistics["bytes_inserted"] += frame.nbytes
+            self.statistics["seconds_insert"] += time.perf_counter() - t0
+        self._spill_over_budget()
+
+    def _check_device(self, frame: DeviceTable, input_index: int) -> None:
+        if self.state is None or frame.xp is np:
+            return
+        for name, col in frame.columns.items():
+            dev = getattr(getattr(col, "device", None), "id", self.state.device)
+            if int(dev) != self.state.device:
+                raise ShuffleError(
+                    f"input partition {input_index}: column {name!r} is on GPU {dev}, but rank "
+                    f"{self.comm.rank} uses GPU {self.state.device}; run one worker per GPU "
+                    "(CUDA_VISIBLE_DEVICES per worker, as dask-cuda's LocalCUDACluster does) or "
+                    "build each partition on its worker's GPU"
+                )
+
+    def _spill_over_budget(self) -> None:
+        """Copy the oldest device buffers to host until the device use is within budget."""
+        available = self.resource.available(MemoryType.DEVICE)
+        if available is None or available >= 0:
+            return
+        t0 = time.perf_counter()
+        with self._lock:
+            buffers = [o.buffer for o in self._outbox if o.buffer is not None]
+            buffers += [i.buffer for i in self._incoming]
+        moved = 0
+        with self._scope():
+            for b in buffers:
+                if self.resource.available(MemoryType.DEVICE) >= 0:  # type: ignore[operator]
+                    break
+                moved += b.spill(self.resource)
+        with self._lock:
+            self.statistics["bytes_spilled"] += moved
+            self.statistics["seconds_spill"] += time.perf_counter() - t0
+
+    # -- barrier -------------------------------------------------------------
+    def barrier(self, npartitions: int, timeout: float) -> None:
+        """Start the exchange on every rank and wait until all finished it.
+
+        Raises
+        ------
+        ShuffleError
+            With a rank's exchange error, or naming the ranks that did not
+            finish within ``timeout`` seconds.
+        """
+        info = msgpack.packb({"npartitions": npartitions})
+        for dest in range(self.comm.nranks):
+            self.comm.send_nowait(dest, (DEVICE_TAG, self.op_id, "inputs-done"), [info])
+        deadline = time.monotonic() + timeout
+        while not self._acks_event.wait(0.1):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.comm.nranks)) - set(self._acks))
+                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
+                raise ShuffleError(
+                    f"device shuffle op {self.op_id}: {who} did not finish the exchange within {timeout:g} s"
+                )
+        self._raise_if_failed()
+        errors = {r: e for r, e in self._acks.items() if e}
+        if errors:
+            raise ShuffleError(
+                f"device shuffle op {self.op_id}: exchange failed on "
+                + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+            )
+
+    # -- messages (progress thread) -----------------------------------------
+    def receive(self, src: int, tag: Tag, frames: Frames) -> None:
+        """Handle a control message of this run (on the progress thread; never blocks)."""
+        kind = tag[2]
+        if kind == "inputs-done":
+            info = msgpack.unpackb(frames[0])
+            with self._lock:
+                self._reply_to.append(src)
+                if self._thread is None and not self._closed:
+                    self._inputs_done = True
+                    self.npartitions = int(info["npartitions"])
+                    r, n = self.comm.rank, self.comm.nranks
+                    self._owned = set(range(r, self.npartitions, n))
+                    self._thread = threading.Thread(
+                        target=self._exchange_thread, daemon=True,
+                        name=f"mpshuffle-device-exchange-op{self.op_id}",
+                    )
+                    self._thread.start()
+                    return
+                done = self._exchanged.is_set() or self._closed
+            if done:
+                self._ack(src)
+        elif kind == "ack":
+            with self._lock:
+                self._acks[src] = bytes(frames[0]).decode() if frames else ""
+                if len(self._acks) == self.comm.nranks:
+                    self._acks_event.set()
+
+    def _ack(self, dest: int) -> None:
+        err = "" if self._error is None else str(self._error) or type(self._error).__name__
+        self.comm.send_nowait(dest, (DEVICE_TAG, self.op_id, "ack"), [err.encode()])
+
+    # -- the exchange (its own thread) --------------------------------------
+    def _exchange_thread(self) -> None:
+        try:
+            if self.state is None:
+                self._exchange(None)
+            else:
+                with self.state.exchange_lock, self.state.scope():
+                    self._exchange(self.state)
+        except BaseException as e:  # noqa: BLE001 -- reported to the barrier and to extract
+            logger.error("mpshuffle: device exchange of op %d failed: %s", self.op_id, e)
+            self.fail(e)
+        finally:
+            with self._lock:
+                self._exchanged.set()
+                reply_to = list(self._reply_to)
+            for dest in reply_to:
+                self._ack(dest)
+
+    def _exchange(self, state: DeviceState | None) -> None:
+        comm, rank, nranks = self.comm, self.comm.rank, self.comm.nranks
+        t0 = time.perf_counter()
+        with self._lock:
+            outbox = sorted(self._outbox, key=lambda o: o.input_index)
+        tag = (_XTAG, self.op_id, "headers")
+        for dest in range(nranks):
+            if dest != rank:
+                header = [
+                    [o.input_index, *(o.ranges[dest][:2] if dest in o.ranges else (0, 0)),
+                     o.ranges[dest][2] if dest in o.ranges else []]
+                    for o in outbox
+                ]
+                comm.send_nowait(dest, tag, [msgpack.packb(header)])
+        headers: dict[int, list[Any]] = {}
+        for src in range(nranks):
+            if src != rank:
+                try:
+                    headers[src] = msgpack.unpackb(bytes(comm.recv(src, tag, self.timeout)[0]))
+                except Exception as e:
+                    raise ShuffleError(f"piece headers from rank {src} failed: {e}") from e
+        transport = state.transport(comm, self.key, self.timeout) if state and nranks > 1 else None
+        t1 = time.perf_counter()
+        self.statistics["seconds_headers"] += t1 - t0
+        nrounds = max([len(outbox)] + [len(h) for h in headers.values()])
+        for k in range(nrounds):
+            self._raise_if_failed()
+            tr = time.perf_counter()
+            sends: dict[int, list[Any]] = {}
+            recvs: dict[int, list[Any]] = {}
+            got: list[_Incoming] = []
+            out = outbox[k] if k < len(outbox) else None
+            if out is not None and out.buffer is not None:
+                data = out.buffer.data
+                for dest, (start, end, pieces) in out.ranges.items():
+                    part = data[start:end]
+                    if dest == rank:
+                        # A compact copy, so the outbox buffer can go after the round.
+                        own = part.copy()
+                        res = self.resource.reserve(
+                            MemoryType.DEVICE if out.buffer.on_device else MemoryType.HOST, int(own.nbytes)
+                        )
+                        got.append(_Incoming(out.input_index, rank, _Buffer(own, res, out.buffer.on_device), pieces))
+                    else:
+                        sends[dest] = [part if out.buffer.on_device else _to_device(part)]
+                        self.statistics["bytes_sent"] += end - start
+            for src, header in headers.items():
+                if k < len(header) and header[k][2] > header[k][1]:
+                    input_index, start, end, pieces = header[k]
+                    buf = _empty_device(end - start)
+                    recvs[src] = [buf]
+                    res = self.resource.reserve(MemoryType.DEVICE, end - start)
+                    got.append(_Incoming(input_index, src, _Buffer(buf, res), [tuple(p) for p in pieces]))
+            if sends or recvs:
+                assert transport is not None
+                transport.exchange(sends, recvs)
+            del sends, recvs
+            if out is not None and out.buffer is not None:
+                out.buffer.reservation.release()
+                out.buffer = None
+            with self._lock:
+                self._incoming.extend(got)
+                self.statistics["bytes_received"] += sum(int(g.buffer.data.nbytes) for g in got)
+                self.statistics["rounds"] += 1
+                self.statistics["seconds_exchange"] += time.perf_counter() - tr
+            self._spill_over_budget()
+        with self._lock:
+            self._outbox = []
+            nothing_owned = not self._owned
+        if nothing_owned:
+            self.close()
+
+    # -- extract (task thread) ----------------------------------------------
+    def extract(self, partition_id: int, timeout: float) -> list[PackedData]:
+        """Pieces of output partition ``partition_id``, ordered by input partition.
+
+        Waits for this rank's exchange first. Pieces are views into the
+        received buffers (device, or host where spilled). After the rank's
+        last owned partition the run's state is freed.
+
+        Raises
+        ------
+        ShuffleError
+            If the run failed, the exchange did not end within ``timeout``
+            seconds, or the partition is not owned here or was already extracted.
+        """
+        t0 = time.perf_counter()
+        if not self._exchanged.wait(timeout):
+            raise ShuffleError(
+                f"device shuffle op {self.op_id} on rank {self.comm.rank}: the exchange did not "
+                f"finish within {timeout:g} s"
+            )
+        self._raise_if_failed()
+        t1 = time.perf_counter()
+        with self._lock:
+            if partition_id not in self._owned:
+                raise ShuffleError(
+                    f"output partition {partition_id} of device shuffle op {self.op_id} is not "
+                    f"owned by rank {self.comm.rank}"
+                )
+            if partition_id in self._extracted:
+                raise ShuffleError(
+                    f"output partition {partition_id} of device shuffle op {self.op_id} was already extracted"
+                )
+            self._extracted.add(partition_id)
+            last = self._extracted == self._owned
+            found = []
+            for inc in self._incoming:
+                for pid, off, nbytes, nrows, meta in inc.pieces:
+                    if pid == partition_id:
+                        view = inc.buffer.data[off : off + nbytes]
+                        found.append(((inc.input_index, inc.src), PackedData(meta, view, nrows)))
+        found.sort(key=lambda x: x[0])
+        with self._lock:
+            self.statistics["seconds_wait"] += t1 - t0
+            self.statistics["seconds_extract"] += time.perf_counter() - t1
+        if last:
+            self.close()
+        return [p for _, p in found]
+
+    # -- failure and cleanup -------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Fail the run on this rank: waits raise ``error``; buffers are freed."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+        self._acks_event.set()
+        self._exchanged.set()
+        self._free()
+
+    def _raise_if_failed(self) -> None:
+        err = self._error
+        if err is not None:
+            if isinstance(err, ShuffleError):
+                raise err
+            raise ShuffleError(f"device shuffle op {self.op_id} failed on rank {self.comm.rank}: {err}") from err
+
+    def _free(self) -> None:
+        with self._lock:
+            buffers = [o.buffer for o in self._outbox if o.buffer is not None]
+            buffers += [i.buffer for i in self._incoming]
+            self._outbox, self._incoming = [], []
+        for b in buffers:
+            b.reservation.release()
+
+    @property
+    def inputs_done(self) -> bool:
+        """Whether the barrier's ``inputs-done`` reached this rank."""
+        return self._inputs_done
+
+    @property
+    def closed(self) -> bool:
+        """Whether the run's state on this rank was freed."""
+        return self._closed
+
+    def close(self) -> None:
+        """Free every buffer of the run on this rank (extracted views stay valid). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._free()
+        if self._on_done is not None:
+            self._on_done(self.op_id)
+
+
+def _ptr(a: Any) -> int:
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if ptr is not None:  # CuPy
+        return int(ptr)
+    return int(a.__array_interface__["data"][0])
+
+
+def _empty_device(nbytes: int) -> Any:
+    import cupy
+
+    return cupy.empty(nbytes, dtype=np.uint8)
+
+
+def _to_device(host: Any) -> Any:
+    import cupy
+
+    return cupy.asarray(host)
