@@ -1,0 +1,240 @@
+"""Device shuffles through Dask: the device run path, and a 2-GPU cluster.
+
+The first test drives :class:`mpshuffle.dask.device.DeviceRun` on one rank with
+NumPy device tables (the host twin), so its outbox, spilling and extract run
+on CPU machines too. The cluster tests need CuPy and two GPUs: one worker
+process per GPU (``CUDA_VISIBLE_DEVICES`` per nanny, as dask-cuda does),
+:func:`mpshuffle.dask.bootstrap_dask_cluster` with ``pool_size`` and
+``spill_device``, and a shuffle of ``DeviceTable`` partitions through
+:func:`mpshuffle.dask.shuffle_graph`; they skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpshuffle.comm import LocalCommunicator
+from mpshuffle.dask.device import DeviceRun
+from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.table.device import DeviceAdapter, DeviceTable
+
+try:
+    import cupy
+
+    _NDEV = int(cupy.cuda.runtime.getDeviceCount())
+except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
+    cupy = None
+    _NDEV = 0
+
+needs_2_gpus = pytest.mark.skipif(_NDEV < 2, reason="needs CuPy and two CUDA devices")
+
+
+def _host_table(i: int, n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(i)
+    return {
+        "key": rng.integers(0, 2**40, n),
+        "x": rng.normal(size=n),
+        "s": rng.integers(0, 100, n).astype(np.int16),
+        "row": np.arange(n, dtype=np.int64) + i * 10**9,
+    }
+
+
+def _check_output(parts: list[dict[str, np.ndarray]], inputs: list[dict[str, np.ndarray]], npart: int) -> None:
+    got = {k: np.concatenate([p[k] for p in parts]) for k in inputs[0]}
+    want = {k: np.concatenate([t[k] for t in inputs]) for k in inputs[0]}
+    order_g, order_w = np.argsort(got["row"]), np.argsort(want["row"])
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype
+        np.testing.assert_array_equal(got[k][order_g], w[order_w])
+    adapter = DeviceAdapter()
+    for j, p in enumerate(parts):
+        if len(p["key"]):
+            ids = adapter.partition_ids(DeviceTable(p), ["key"], npart)
+            assert set(np.unique(ids).tolist()) == {j}
+
+
+def test_device_run_one_rank_spills_and_extracts() -> None:
+    comm = LocalCommunicator()
+    # A "device" budget of 40 kB for ~100 kB of packed tables: the run must spill.
+    resource = BufferResource({MemoryType.DEVICE: 40_000})
+    done: list[int] = []
+    run = DeviceRun(comm, 7, resource=resource, state=None, key="g", timeout=10, on_done=done.append)
+    comm.register_handler("mpsd", run.receive)
+    try:
+        inputs = [_host_table(i, 1000) for i in range(4)]
+        for i, t in enumerate(inputs):
+            run.insert(i, DeviceTable(t), ["key"], 5)
+        assert resource.used(MemoryType.HOST) > 0  # oldest outbox buffers went to host
+        run.barrier(5, 10)
+        assert run.statistics["rounds"] == 4
+        parts = []
+        for j in range(5):
+            pieces = run.extract(j, 10)
+            parts.append(DeviceAdapter().unpack(pieces, DeviceTable(inputs[0]).empty_like()).columns)
+        _check_output(parts, inputs, 5)
+        assert run.statistics["bytes_spilled"] > 0
+        assert done == [7] and run.closed
+        assert resource.used(MemoryType.DEVICE) == 0 and resource.used(MemoryType.HOST) == 0
+        assert not [t for t in threading.enumerate() if t.name.startswith("mpshuffle-device")]
+        with pytest.raises(Exception, match="already extracted"):
+            run.extract(0, 1)
+    finally:
+        comm.close()
+
+
+# -- two GPUs, one worker per GPU ------------------------------------------------
+
+
+def _make(i: int, n: int) -> DeviceTable:
+    import cupy as cp
+
+    return DeviceTable({k: cp.asarray(v) for k, v in _host_table(i, n).items()})
+
+
+def _to_host(t: DeviceTable) -> dict[str, np.ndarray]:
+    return {k: v.get() for k, v in t.columns.items()}
+
+
+def _gpu_cluster() -> Any:
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    workers = {
+        f"gpu{i}": {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "env": {"CUDA_VISIBLE_DEVICES": str(i), "NCCL_NVLS_ENABLE": "0"},
+            },
+        }
+        for i in range(2)
+    }
+    sched = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    return SpecCluster(workers=workers, scheduler=sched)
+
+
+@pytest.fixture(scope="module")
+def gpu_client() -> Any:
+    from distributed import Client
+
+    with _gpu_cluster() as cluster, Client(cluster) as client:
+        client.wait_for_workers(2)
+        yield client
+
+
+def _run_shuffle(client: Any, nin: int, nrows: int, npart: int) -> tuple[list[Any], list[Any]]:
+    import cupy as cp
+
+    from mpshuffle.dask import shuffle_graph
+
+    workers = sorted(client.scheduler_info()["workers"])
+    futs = [client.submit(_make, i, nrows, workers=[workers[i % 2]], pure=False) for i in range(nin)]
+    meta = DeviceTable({k: cp.asarray(v[:0]) for k, v in _host_table(0, 1).items()})
+    graph, keys = shuffle_graph([f.key for f in futs], on=["key"], npartitions=npart, meta=meta)
+    for k, task in list(graph.items()):
+        if isinstance(k, tuple) and "insert" in k[0]:
+            graph[k] = (task[0], futs[task[2]], *task[2:])
+    host_keys = [("to-host", j) for j in range(npart)]
+    for hk, k in zip(host_keys, keys, strict=True):
+        graph[hk] = (_to_host, k)
+    parts = client.get(graph, host_keys)
+    return parts, [_host_table(i, nrows) for i in range(nin)]
+
+
+def _contexts(client: Any) -> dict[str, Any]:
+    def probe(dask_worker: Any) -> dict[str, Any]:
+        import cupy as cp
+
+        from mpshuffle.dask.worker import PLUGIN_NAME
+
+        plugin = dask_worker.plugins[PLUGIN_NAME]
+        out = {}
+        for gen, ctx in plugin.contexts.items():
+            dev = ctx.device
+            out[gen] = {
+                "device": None if dev is None else dev.device,
+                "budget": None if dev is None else dev.budget,
+                "pool": int(cp.get_default_memory_pool().total_bytes()),
+                "total": int(cp.cuda.runtime.memGetInfo()[1]),
+                "limit": ctx.resource.limit(MemoryType.DEVICE),
+                "runs": len(ctx.shufflers),
+                "used": [ctx.resource.used(m) for m in (MemoryType.DEVICE, MemoryType.HOST)],
+                "peak": [ctx.resource.peak(m) for m in (MemoryType.DEVICE, MemoryType.HOST)],
+                "history": [s for _, s in ctx.history],
+                "pci": cp.cuda.Device(dev.device).pci_bus_id if dev is not None else None,
+            }
+        out["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("mpshuffle-device")]
+        return out
+
+    return client.run(probe)
+
+
+def _wait_clean(client: Any, gen: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 15
+    while True:
+        info = _contexts(client)
+        clean = all(
+            w[gen]["runs"] == 0 and w[gen]["used"] == [0, 0] and not w["threads"] for w in info.values()
+        )
+        if clean or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+@needs_2_gpus
+def test_bootstrap_pool_and_device_budget(gpu_client: Any) -> None:
+    from mpshuffle.dask import bootstrap_dask_cluster
+
+    gen = bootstrap_dask_cluster(gpu_client, pool_size=0.1, spill_device=0.25)
+    info = _contexts(gpu_client)
+    pcis = set()
+    for w in info.values():
+        c = w[gen.id]
+        assert c["device"] == 0  # each worker sees only its own GPU
+        assert c["pool"] >= int(0.1 * c["total"]) // 2**20 * 2**20
+        assert c["budget"] == int(0.25 * c["total"]) == c["limit"]
+        pcis.add(c["pci"])
+    assert len(pcis) == 2  # two different physical GPUs
+
+
+@needs_2_gpus
+def test_device_shuffle_through_dask(gpu_client: Any) -> None:
+    from mpshuffle.dask import bootstrap_dask_cluster
+
+    gen = bootstrap_dask_cluster(gpu_client, pool_size=0.1, spill_device=0.25)
+    parts, inputs = _run_shuffle(gpu_client, nin=6, nrows=200_000, npart=8)
+    _check_output(parts, inputs, 8)
+    info = _wait_clean(gpu_client, gen.id)
+    sent = 0
+    for w in info.values():
+        c = w[gen.id]
+        assert c["runs"] == 0 and c["used"] == [0, 0] and not w["threads"]
+        assert c["peak"][0] > 0 and c["peak"][1] == 0  # device buffers only; nothing staged on host
+        stats = c["history"][-1]
+        assert stats["bytes_spilled"] == 0
+        sent += stats["bytes_sent"]
+    assert sent > 0  # bytes crossed between the GPUs (over NCCL)
+
+
+@needs_2_gpus
+def test_device_shuffle_twice_the_budget_spills(gpu_client: Any) -> None:
+    from mpshuffle.dask import bootstrap_dask_cluster
+
+    # Per GPU 6 inputs x 1 M rows x 26 B = 156 MB inserted (and about as much
+    # received); a budget of 78 MB is half of that.
+    total = int(cupy.cuda.runtime.memGetInfo()[1])
+    frac = 78e6 / total
+    gen = bootstrap_dask_cluster(gpu_client, spill_device=frac)
+    parts, inputs = _run_shuffle(gpu_client, nin=12, nrows=1_000_000, npart=8)
+    _check_output(parts, inputs, 8)
+    info = _wait_clean(gpu_client, gen.id)
+    for w in info.values():
+        c = w[gen.id]
+        assert c["runs"] == 0 and c["used"] == [0, 0] and not w["threads"]
+        stats = c["history"][-1]
+        assert stats["bytes_spilled"] > 0 and c["peak"][1] > 0
+        assert stats["bytes_inserted"] >= 2 * c["budget"]
