@@ -1,4 +1,4 @@
-"""Command line: ``mpshuffle demo | info``.
+"""Command line: ``mpshuffle demo | bench | info``.
 
 ``mpshuffle demo`` is the README's main job: it generates TPC-H ``lineitem``
 with tpchgen-cli, starts a LocalCluster sized to the machine, shuffles
@@ -43,9 +43,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--data-dir", default=None, help="where to write the generated data (default: a temporary dir)")
     demo.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
     sub.add_parser("info", help="print versions and available backends")
+    from mpshuffle import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="mpshuffle vs Dask's P2P and task shuffles (JSON + PNG)"))
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "bench":
+        return bench.run_and_report(args)
     return _demo(args)
 
 
