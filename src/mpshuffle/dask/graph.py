@@ -29,6 +29,7 @@ from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.dask.device import is_device_meta
 from mpshuffle.errors import ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
+from mpshuffle.table.device import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 
@@ -131,6 +132,8 @@ def shuffle_graph(
     if int(npartitions) < 1:
         raise ValueError(f"npartitions must be >= 1, got {npartitions}")
     npartitions = int(npartitions)
+    if is_device_meta(meta):
+        register_device_adapter()  # a CuPy table's adapter, registered on first use
     get_adapter(meta)  # raises TypeError for unsupported frame types
     input_keys = list(input_keys)
     token = token or tokenize(input_keys, on, npartitions, keep_index, name, partitioner)
