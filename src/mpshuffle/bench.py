@@ -307,11 +307,14 @@ def _synthetic(gb: float, partitions: int) -> tuple[Any, str]:
 def _lineitem(scale_factor: float, partitions: int, data_dir: str) -> tuple[Any, str]:
     import dask.dataframe as dd
 
-    from mpshuffle.cli import _generate, load_lineitem
+    from mpshuffle.tpch import generate, load_parquet
 
-    path = _generate(scale_factor, os.path.join(data_dir, f"sf{scale_factor:g}-p{partitions}"), partitions)
+    root = os.path.join(data_dir, f"sf{scale_factor:g}-p{partitions}")
+    path = os.path.join(root, "lineitem")
+    if not (os.path.isdir(path) and os.listdir(path)):
+        generate(scale_factor, root, parts=partitions, tables=("lineitem",))
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
-    return dd.from_map(load_lineitem, files), "l_orderkey"
+    return dd.from_map(load_parquet, files), "l_orderkey"
 
 
 def _cases(args: Any) -> list[dict[str, Any]]:

@@ -1,17 +1,16 @@
 """Command line: ``mpshuffle demo | bench | info``.
 
 ``mpshuffle demo`` is the README's main job: it generates TPC-H ``lineitem``
-with tpchgen-cli, starts a LocalCluster sized to the machine, shuffles
-lineitem on ``l_orderkey`` with mpshuffle, verifies the result and prints
-its throughput.
+and ``orders`` with tpchgen-cli, starts a LocalCluster sized to the machine,
+shuffles lineitem on ``l_orderkey`` with mpshuffle, verifies the result and
+prints its throughput, then computes TPC-H Q3's join (without ``customer``)
+with mpshuffle and checks it against DuckDB on the same files.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -80,49 +79,6 @@ def _info() -> int:
     return 0
 
 
-def _generate(scale_factor: float, out: str, parts: int) -> str:
-    exe = shutil.which("tpchgen-cli") or os.path.join(os.path.dirname(sys.executable), "tpchgen-cli")
-    path = os.path.join(out, "lineitem")
-    if os.path.isdir(path) and os.listdir(path):
-        return path
-    cmd = [exe, "parquet", "-s", str(scale_factor), "--tables", "lineitem", "--parts", str(parts), "-o", out]
-    subprocess.run(cmd, check=True)
-    return path
-
-
-def load_lineitem(path: str) -> Any:
-    """Read one parquet file of TPC-H data into pandas with plain dtypes.
-
-    Decimals become ``float64``, dates ``datetime64[ms]`` and strings pandas'
-    ``str`` (tpchgen-cli writes Arrow ``string_view``, which pandas cannot
-    hold in an ``ArrowDtype``).
-
-    Parameters
-    ----------
-    path
-        A parquet file written by tpchgen-cli.
-
-    Returns
-    -------
-    pandas.DataFrame
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path)
-    fields = []
-    for field in table.schema:
-        t = field.type
-        if pa.types.is_decimal(t):
-            t = pa.float64()
-        elif pa.types.is_date(t):
-            t = pa.timestamp("ms")
-        elif pa.types.is_string_view(t) or pa.types.is_large_string(t):
-            t = pa.string()
-        fields.append(pa.field(field.name, t))
-    return table.cast(pa.schema(fields)).to_pandas()
-
-
 def _demo(args: Any) -> int:
     import tempfile
 
@@ -131,6 +87,7 @@ def _demo(args: Any) -> int:
     import psutil
     from distributed import Client, LocalCluster, wait
 
+    from mpshuffle import tpch
     from mpshuffle.dask import bootstrap_dask_cluster, shuffle
 
     ncores = psutil.cpu_count(logical=True) or 2
@@ -142,18 +99,18 @@ def _demo(args: Any) -> int:
         tmp = tempfile.TemporaryDirectory(prefix="mpshuffle-demo-")
         data_dir = tmp.name
     try:
-        print(f"generating TPC-H lineitem at scale factor {args.scale_factor:g} with tpchgen-cli ...", flush=True)
+        print(f"generating TPC-H lineitem and orders at scale factor {args.scale_factor:g} "
+              "with tpchgen-cli ...", flush=True)
         t0 = time.perf_counter()
         parts = max(nworkers * 8, 16)
-        path = _generate(args.scale_factor, data_dir, parts)
-        print(f"  done in {time.perf_counter() - t0:.1f} s: {path}")
+        root = tpch.generate(args.scale_factor, data_dir, parts=parts)
+        print(f"  done in {time.perf_counter() - t0:.1f} s: {root}")
         with dask.config.set({"distributed.worker.memory.target": False,
                               "distributed.worker.memory.spill": False}), \
                 LocalCluster(n_workers=nworkers, threads_per_worker=1, memory_limit=memory_limit,
                              dashboard_address=":0") as cluster, Client(cluster) as client:
             print(f"LocalCluster: {nworkers} workers x 1 thread, memory_limit {memory_limit / 2**30:.1f} GiB each")
-            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
-            df = dd.from_map(load_lineitem, files).persist()
+            df = dd.from_map(tpch.load_parquet, _parquet_files(root, "lineitem")).persist()
             wait(df)
             rows = int(df.shape[0].compute())
             nbytes = int(df.memory_usage(deep=True).sum().compute())
@@ -165,7 +122,7 @@ def _demo(args: Any) -> int:
             npartitions = args.partitions or df.npartitions
             t0 = time.perf_counter()
             out = shuffle(df, "l_orderkey", npartitions=npartitions, ignore_index=True).persist()
-            _progress(client, out, "shuffle", disable=args.no_progress)
+            _progress(out, "shuffle", disable=args.no_progress)
             wait(out)
             seconds = time.perf_counter() - t0
             ok = _verify(df, out)
@@ -174,13 +131,42 @@ def _demo(args: Any) -> int:
             print(f"seconds   {seconds:.2f}")
             print(f"MB/s      {nbytes / 1e6 / seconds:,.1f}")
             print("verified: " + ("OK" if ok else "FAILED"))
-            return 0 if ok else 1
+            del out
+            join_ok = _join(df, root, npartitions, disable=args.no_progress)
+            return 0 if ok and join_ok else 1
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
-def _progress(client: Any, collection: Any, label: str, disable: bool) -> None:
+def _parquet_files(root: Any, table: str) -> list[str]:
+    folder = os.path.join(root, table)
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".parquet"))
+
+
+def _join(lineitem: Any, root: Any, npartitions: int, disable: bool) -> bool:
+    """TPC-H Q3's join (lineitem ⨝ orders) through mpshuffle, checked against DuckDB."""
+    import dask.dataframe as dd
+    from distributed import wait
+
+    from mpshuffle import tpch
+
+    orders = dd.from_map(tpch.load_parquet, _parquet_files(root, "orders")).persist()
+    wait(orders)
+    t0 = time.perf_counter()
+    answer = tpch.q_join(lineitem, orders, npartitions=npartitions).persist()
+    _progress(answer, "join", disable=disable)
+    wait(answer)
+    seconds = time.perf_counter() - t0
+    got = answer.compute()
+    problems = tpch.compare(got, tpch.q_join_duckdb(root))
+    print(f"TPC-H Q3 join (lineitem x orders, no customer): {len(got):,} orders, "
+          f"revenue {got['revenue'].sum():,.2f}, {seconds:.2f} s")
+    print("join checked against DuckDB: " + ("OK" if not problems else "FAILED: " + "; ".join(problems)))
+    return not problems
+
+
+def _progress(collection: Any, label: str, disable: bool) -> None:
     from distributed import as_completed, futures_of
     from tqdm import tqdm
 

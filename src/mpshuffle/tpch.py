@@ -23,7 +23,7 @@ from typing import Any
 import dask.dataframe as dd
 import pandas as pd
 
-__all__ = ["CUTOFF", "generate", "q_join", "read_tables"]
+__all__ = ["CUTOFF", "compare", "generate", "load_parquet", "q_join", "q_join_duckdb", "read_tables"]
 
 #: The date that splits orders from shipments (Q3's substitution parameter default).
 CUTOFF = datetime.date(1995, 3, 15)
@@ -31,8 +31,13 @@ CUTOFF = datetime.date(1995, 3, 15)
 _GROUP = ["l_orderkey", "o_orderdate", "o_shippriority"]
 
 
-def generate(scale_factor: float, out_dir: str | os.PathLike[str], parts: int = 1) -> Path:
-    """Write ``lineitem`` and ``orders`` as parquet with ``tpchgen-cli``.
+def generate(
+    scale_factor: float,
+    out_dir: str | os.PathLike[str],
+    parts: int = 1,
+    tables: tuple[str, ...] = ("lineitem", "orders"),
+) -> Path:
+    """Write TPC-H tables (by default ``lineitem`` and ``orders``) as parquet with ``tpchgen-cli``.
 
     Parameters
     ----------
@@ -42,6 +47,8 @@ def generate(scale_factor: float, out_dir: str | os.PathLike[str], parts: int = 
         Directory to write into (created if needed).
     parts
         Files per table; ``> 1`` writes ``out_dir/<table>/<table>.<i>.parquet``.
+    tables
+        Names of the tables to write.
 
     Returns
     -------
@@ -66,13 +73,46 @@ def generate(scale_factor: float, out_dir: str | os.PathLike[str], parts: int = 
         "parquet",
         "-s",
         str(scale_factor),
-        "--tables=lineitem,orders",
+        f"--tables={','.join(tables)}",
         f"--output-dir={out}",
     ]
     if parts > 1:
         cmd.append(f"--parts={int(parts)}")
     subprocess.run(cmd, check=True, capture_output=True)
     return out
+
+
+def load_parquet(path: str | os.PathLike[str]) -> pd.DataFrame:
+    """Read one parquet file written by tpchgen-cli into pandas with plain dtypes.
+
+    Decimals become ``float64``, dates ``datetime64[ms]`` and strings pandas'
+    ``str`` (tpchgen-cli writes Arrow ``string_view``, which pandas cannot hold
+    in an ``ArrowDtype``), so that frames are cheap to hold and shuffle.
+
+    Parameters
+    ----------
+    path
+        A parquet file.
+
+    Returns
+    -------
+    pandas.DataFrame
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    fields = []
+    for field in table.schema:
+        t = field.type
+        if pa.types.is_decimal(t):
+            t = pa.float64()
+        elif pa.types.is_date(t):
+            t = pa.timestamp("ms")
+        elif pa.types.is_string_view(t) or pa.types.is_large_string(t):
+            t = pa.string()
+        fields.append(pa.field(field.name, t))
+    return table.cast(pa.schema(fields)).to_pandas()
 
 
 def read_tables(directory: str | os.PathLike[str]) -> tuple[dd.DataFrame, dd.DataFrame]:
@@ -129,13 +169,13 @@ def q_join(
 
         merge = mpshuffle_merge
     items = lineitem[["l_orderkey", "l_extendedprice", "l_discount", "l_shipdate"]]
-    items = items[items["l_shipdate"] > CUTOFF]
+    items = items[items["l_shipdate"] > _cutoff_for(items["l_shipdate"])]
     items = items.assign(
         revenue=items["l_extendedprice"].astype("float64")
         * (1.0 - items["l_discount"].astype("float64"))
     )[["l_orderkey", "revenue"]]
     heads = orders[["o_orderkey", "o_orderdate", "o_shippriority"]]
-    heads = heads[heads["o_orderdate"] < CUTOFF]
+    heads = heads[heads["o_orderdate"] < _cutoff_for(heads["o_orderdate"])]
     joined = merge(
         items,
         heads,
@@ -148,8 +188,90 @@ def q_join(
     return joined.map_partitions(_revenue_per_order, meta=meta)
 
 
+def _cutoff_for(dates: Any) -> Any:
+    # Dates read by dask.read_parquet are date objects; load_parquet gives datetime64.
+    if pd.api.types.is_datetime64_any_dtype(dates.dtype):
+        return pd.Timestamp(CUTOFF)
+    return CUTOFF
+
+
 def _revenue_per_order(part: pd.DataFrame) -> pd.DataFrame:
     # One order's rows are in one partition (hash join on the order key), so
     # a per-partition group-by is the whole aggregate.
     out: Any = part.groupby(_GROUP, sort=False, observed=True)["revenue"].sum().reset_index()
     return out
+
+
+def q_join_duckdb(directory: str | os.PathLike[str]) -> pd.DataFrame:
+    """The answer of :func:`q_join` computed by DuckDB on the same parquet files.
+
+    DuckDB is the oracle that checks mpshuffle's answer (it is not used to
+    compute anything else).
+
+    Parameters
+    ----------
+    directory
+        Where :func:`generate` wrote ``lineitem`` and ``orders``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``l_orderkey``, ``o_orderdate``, ``o_shippriority``,
+        ``revenue`` (float64), one row per order, in no particular order.
+    """
+    import duckdb
+
+    root = Path(directory)
+
+    def source(name: str) -> str:
+        return str(root / name / "*.parquet") if (root / name).is_dir() else str(root / f"{name}.parquet")
+
+    sql = f"""
+        SELECT l_orderkey, o_orderdate, o_shippriority,
+               CAST(SUM(l_extendedprice * (1 - l_discount)) AS DOUBLE) AS revenue
+        FROM read_parquet('{source("lineitem")}') AS l
+        JOIN read_parquet('{source("orders")}') AS o ON l.l_orderkey = o.o_orderkey
+        WHERE o_orderdate < DATE '{CUTOFF}' AND l_shipdate > DATE '{CUTOFF}'
+        GROUP BY l_orderkey, o_orderdate, o_shippriority
+    """
+    with duckdb.connect() as con:
+        return con.sql(sql).df()
+
+
+def compare(got: pd.DataFrame, expected: pd.DataFrame, rtol: float = 1e-9) -> list[str]:
+    """Differences between two answers of :func:`q_join` (empty if they agree).
+
+    Rows are matched by order key; dates are compared as timestamps (engines
+    return ``date`` objects or ``datetime64``), revenue to relative
+    tolerance ``rtol`` (float64 sums in different orders).
+
+    Parameters
+    ----------
+    got, expected
+        Frames with columns ``l_orderkey``, ``o_orderdate``, ``o_shippriority``,
+        ``revenue``.
+
+    Returns
+    -------
+    list of str
+        One line per kind of difference found.
+    """
+    import numpy as np
+
+    problems = []
+    if len(got) != len(expected):
+        problems.append(f"{len(got)} orders, expected {len(expected)}")
+        return problems
+    a = got.sort_values("l_orderkey").reset_index(drop=True)
+    b = expected.sort_values("l_orderkey").reset_index(drop=True)
+    if not np.array_equal(a["l_orderkey"].to_numpy(), b["l_orderkey"].to_numpy()):
+        problems.append("order keys differ")
+        return problems
+    if not np.array_equal(a["o_shippriority"].to_numpy(), b["o_shippriority"].to_numpy()):
+        problems.append("o_shippriority differs")
+    if not (pd.to_datetime(a["o_orderdate"]).to_numpy() == pd.to_datetime(b["o_orderdate"]).to_numpy()).all():
+        problems.append("o_orderdate differs")
+    if not np.allclose(a["revenue"].to_numpy(), b["revenue"].to_numpy(), rtol=rtol, atol=0):
+        worst = float(np.max(np.abs(a["revenue"].to_numpy() - b["revenue"].to_numpy())))
+        problems.append(f"revenue differs (largest difference {worst:g})")
+    return problems
