@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import dask.dataframe as dd
+import numpy as np
 import pandas as pd
 
 __all__ = ["CUTOFF", "compare", "generate", "load_parquet", "q_join", "q_join_duckdb", "read_tables"]
@@ -189,8 +190,9 @@ def q_join(
 
 
 def _cutoff_for(dates: Any) -> Any:
-    # Dates read by dask.read_parquet are date objects; load_parquet gives datetime64.
-    if pd.api.types.is_datetime64_any_dtype(dates.dtype):
+    # dask.read_parquet gives Arrow date32 (compared with a date); load_parquet
+    # gives numpy datetime64 (compared with a Timestamp).
+    if isinstance(dates.dtype, np.dtype) and dates.dtype.kind == "M":
         return pd.Timestamp(CUTOFF)
     return CUTOFF
 
@@ -256,8 +258,6 @@ def compare(got: pd.DataFrame, expected: pd.DataFrame, rtol: float = 1e-9) -> li
     list of str
         One line per kind of difference found.
     """
-    import numpy as np
-
     problems = []
     if len(got) != len(expected):
         problems.append(f"{len(got)} orders, expected {len(expected)}")
