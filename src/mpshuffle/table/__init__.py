@@ -13,6 +13,10 @@ from mpshuffle.table.hashing import partition_ids, partition_owner
 from mpshuffle.table.packed import PackedData
 from mpshuffle.table.pandas import PandasAdapter
 
+# Built-ins first: adapters registered later take precedence.
+register_adapter(ArrowAdapter())
+register_adapter(PandasAdapter())
+
 __all__ = [
     "ArrowAdapter",
     "FrameAdapter",

@@ -125,16 +125,14 @@ class FrameAdapter(ABC):
 class AdapterRegistry:
     """Ordered set of adapters; the most recently registered match wins.
 
-    The built-in pandas and pyarrow adapters are added on first lookup, so that
-    importing this module imports neither library.
+    The package (``mpshuffle.table``) registers the built-in pandas and pyarrow
+    adapters first, so that user registrations override them.
     """
 
     _adapters: list[FrameAdapter]
-    _defaults_loaded: bool
 
     def __init__(self) -> None:
         self._adapters = []
-        self._defaults_loaded = False
 
     def register(self, adapter: FrameAdapter) -> None:
         """Add ``adapter``; it takes precedence over those registered before.
@@ -156,7 +154,6 @@ class AdapterRegistry:
         TypeError
             Naming ``obj``'s type and the registered adapters if none matches.
         """
-        self._load_defaults()
         for adapter in reversed(self._adapters):
             if adapter.matches(obj):
                 return adapter
@@ -166,16 +163,6 @@ class AdapterRegistry:
             f"no mpshuffle frame adapter for {cls.__module__}.{cls.__qualname__}; "
             f"registered adapters: {known}. Register one with register_adapter()."
         )
-
-    def _load_defaults(self) -> None:
-        if self._defaults_loaded:
-            return
-        self._defaults_loaded = True
-        from mpshuffle.table.arrow import ArrowAdapter
-        from mpshuffle.table.pandas import PandasAdapter
-
-        # Defaults go first so that user registrations override them.
-        self._adapters[:0] = [ArrowAdapter(), PandasAdapter()]
 
 
 _REGISTRY = AdapterRegistry()
