@@ -328,11 +328,13 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
     else:
         ctx = runtime.context
     adapter = _with_index(get_adapter(spec.meta), spec)
+    on_device = is_device_meta(spec.meta)
     with _guard(runtime, "extract", run, ctx):
-        on_device = is_device_meta(spec.meta)
         pieces = ctx.shuffler(op_id, device=on_device).extract(partition_id, ctx.options.timeout)
-        with ctx.device_scope() if on_device else contextlib.nullcontext():
-            out = adapter.unpack(pieces, spec.meta)
+    # Outside the guard: a piece that does not fit the meta is a data error,
+    # not a wait that timed out, so it must not retire the generation.
+    with phase("extract", _where(ctx)), ctx.device_scope() if on_device else contextlib.nullcontext():
+        out = adapter.unpack(pieces, spec.meta)
     if not distributed_ and op_id not in ctx.shufflers:
         runtime.end_run(spec.token)
     return out
