@@ -113,6 +113,7 @@ class Shuffler:
         self.postbox = Postbox(resource, name=f"op{op_id}-r{comm.rank}")
         self._acks: set[int] = set()
         self._acks_event = threading.Event()
+        self._barrier_running = False
 
     # -- insert ----------------------------------------------------------
     def insert(self, input_index: int, pieces: Mapping[int, PackedData], timeout: float) -> None:
@@ -266,7 +267,10 @@ class Shuffler:
         if first:
             for dest in range(self.comm.nranks):
                 self.comm.send_nowait(dest, (TAG, self.op_id, "finish"), [str(sent[dest]).encode()])
-            if not self._owned:
+            # A rank that owns no output partition (npartitions < nranks) is
+            # done now, unless it runs the barrier: closing would drop the
+            # acks that barrier() still waits for; barrier() finishes it then.
+            if not self._owned and not self._barrier_running:
                 self._finish()
         if reply_to is not None:
             self.comm.send_nowait(reply_to, (TAG, self.op_id, "inputs-done-ack"), [])
@@ -283,6 +287,7 @@ class Shuffler:
             or the lost peer.
         """
         info = msgpack.packb({"npartitions": npartitions})
+        self._barrier_running = True
         for dest in range(self.comm.nranks):
             self.comm.send_nowait(dest, (TAG, self.op_id, "inputs-done"), [info])
         deadline = time.monotonic() + timeout
@@ -292,6 +297,10 @@ class Shuffler:
                 missing = sorted(set(range(self.comm.nranks)) - self._acks)
                 who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
                 raise ShuffleError(f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s")
+        self._raise_if_failed()
+        # Our own ack came after our insert_finished, so _owned is set by now.
+        if not self._owned:
+            self._finish()
 
     # -- extract ---------------------------------------------------------
     def wait(self, timeout: float) -> None:
