@@ -76,7 +76,8 @@ def cast_lossless(column: pd.Series, dtype: Any) -> pd.Series:
     pandas.Series
         With ``dtype`` — except a categorical whose values are not all among
         the meta's categories (e.g. Dask's unknown-categories meta), which
-        keeps its own categories (the union over the pieces).
+        keeps its own categories (the union over the pieces), cast to the
+        dtype of the meta's categories, with the meta's ``ordered``.
 
     Raises
     ------
@@ -87,7 +88,16 @@ def cast_lossless(column: pd.Series, dtype: Any) -> pd.Series:
     if isinstance(have, pd.CategoricalDtype) and isinstance(dtype, pd.CategoricalDtype):
         # Only the (few) categories are compared, never the rows.
         covered = bool(column.cat.categories.isin(dtype.categories).all())
-        return column.astype(dtype) if covered else column
+        if covered:
+            return column.astype(dtype)
+        # Unknown categories in the meta: keep the data's categories, but in
+        # the meta's categories dtype (e.g. string[pyarrow], not str) and order.
+        categories = cast_lossless(pd.Series(column.cat.categories), dtype.categories.dtype)
+        own = pd.CategoricalDtype(pd.Index(categories), ordered=dtype.ordered)
+        # CategoricalDtype equality ignores the categories' own dtype.
+        if own == have and own.categories.dtype == have.categories.dtype:
+            return column
+        return column.astype(own)
     if dtype == object:
         # None (not NaN) for missing, as an object column built by the user has.
         values = column.to_numpy(dtype=object, na_value=None)

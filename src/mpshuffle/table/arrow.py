@@ -1,9 +1,9 @@
 """Frame adapter for ``pyarrow.Table``.
 
 Pieces are Arrow IPC streams (see :mod:`mpshuffle.table._ipc`). On unpack
-the pieces are concatenated with ``promote_options="default"`` and every
-column is cast to the meta's type when that is lossless (``null`` columns
-always; others when a safe cast round-trips to the same values).
+every column of every piece is cast to the meta's type when that is lossless
+(``null`` columns always; others when a safe cast round-trips to the same
+values), then the pieces are concatenated.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class ArrowAdapter(FrameAdapter):
         """Return whether ``obj`` is a ``pyarrow.Table`` or ``pyarrow.Schema``."""
         return isinstance(obj, (pa.Table, pa.Schema))
 
-    def column_names(self, frame: pa.Table) -> list[Any]:
-        """Return the field names."""
-        return list(frame.column_names)
+    def column_names(self, frame: pa.Table | pa.Schema) -> list[Any]:
+        """Return the field names (of a table, or of a schema used as meta)."""
+        return list(_schema(frame).names)
 
     def num_rows(self, frame: pa.Table) -> int:
         """Return the number of rows."""
@@ -108,13 +108,12 @@ class ArrowAdapter(FrameAdapter):
                 raise ShuffleError("the pyarrow adapter got a piece not packed as Arrow IPC")
             table = read_ipc(piece.data)
             self._check_names(table.column_names, schema)
-            tables.append(table)
-        try:
-            table = pa.concat_tables(tables, promote_options="default")
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise ShuffleError(f"pieces have incompatible schemas: {e}") from e
-        columns = [self._cast(table.column(f.name), f) for f in schema]
-        return pa.Table.from_arrays(columns, schema=schema)
+            # Each piece is cast on its own: pieces of different input
+            # partitions may differ (int32 here, int64 there), which no
+            # concatenation of the raw pieces would accept.
+            columns = [self._cast(table.column(f.name), f) for f in schema]
+            tables.append(pa.Table.from_arrays(columns, schema=schema))
+        return pa.concat_tables(tables)
 
     @staticmethod
     def _check_names(names: list[str], schema: pa.Schema) -> None:
@@ -127,7 +126,9 @@ class ArrowAdapter(FrameAdapter):
 
     @staticmethod
     def _cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
-        if column.type == field.type or pa.types.is_null(column.type):
+        if column.type == field.type:
+            return column
+        if pa.types.is_null(column.type):
             return column.cast(field.type)
         try:
             cast = column.cast(field.type, safe=True)

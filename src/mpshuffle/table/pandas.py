@@ -52,6 +52,60 @@ def _data_fields(table: pa.Table) -> list[str]:
     return [f for f in table.column_names if f not in index]
 
 
+# Arrow types an ``object`` column may take and still come back as the same
+# Python objects. Arrow infers others from the values (struct for dicts, list
+# for lists, int64/double for numbers), and those come back changed: dicts gain
+# the other rows' keys as None, lists become numpy arrays, 1 becomes 1.0.
+_OBJECT_SAFE = (
+    pa.types.is_string,
+    pa.types.is_large_string,
+    pa.types.is_binary,
+    pa.types.is_large_binary,
+    pa.types.is_boolean,
+    pa.types.is_null,
+)
+
+
+def _objects_round_trip(frame: pd.DataFrame, table: pa.Table, index: bool) -> bool:
+    """Whether every ``object`` column (and kept index level) got an Arrow type that round-trips."""
+    dtypes = list(frame.dtypes)
+    # Kept index levels follow the columns in the table.
+    if index and not isinstance(frame.index, pd.RangeIndex):
+        dtypes += list(frame.index.dtypes) if frame.index.nlevels > 1 else [frame.index.dtype]
+    for i, dtype in enumerate(dtypes):
+        if dtype == object and i < table.num_columns:
+            t = table.schema.field(i).type
+            if not any(ok(t) for ok in _OBJECT_SAFE):
+                return False
+    return True
+
+
+def _nullable_ints(table: pa.Table, frame: pd.DataFrame) -> pd.DataFrame:
+    """Give Arrow integer columns with nulls a nullable pandas dtype, not ``float64``.
+
+    ``to_pandas`` follows the pandas metadata of the table's (first piece's)
+    schema: where that says ``int64`` but concatenated pieces added nulls, it
+    converts through ``float64``, which rounds integers above 2**53. A
+    nullable ``Int*``/``UInt*`` column is exact; :func:`reconcile` then casts
+    it to the meta's dtype, or names the column if that would lose values.
+    """
+    fixed = {}
+    for name in frame.columns:
+        if not isinstance(name, str) or name not in table.column_names:
+            continue
+        column = table.column(name)
+        t = column.type
+        if pa.types.is_integer(t) and column.null_count and frame[name].dtype.kind == "f":
+            sign = "UInt" if pa.types.is_unsigned_integer(t) else "Int"
+            dtype = pd.api.types.pandas_dtype(f"{sign}{t.bit_width}")
+            fixed[name] = pd.Series(dtype.__from_arrow__(column), index=frame.index, name=name)
+    if fixed:
+        frame = frame.copy(deep=False)
+        for name, series in fixed.items():
+            frame[name] = series
+    return frame
+
+
 class PandasAdapter(FrameAdapter):
     """Adapter for ``pandas.DataFrame``.
 
@@ -131,6 +185,8 @@ class PandasAdapter(FrameAdapter):
         try:
             table = pa.Table.from_pandas(frame, preserve_index=self.index)
         except _ARROW_CONVERSION_ERRORS:
+            return self._split_pickle(frame, ids)
+        if not _objects_round_trip(frame, table, self.index):
             return self._split_pickle(frame, ids)
         return split_table(table, ids, Header(ARROW, names).encode())
 
@@ -216,7 +272,7 @@ class PandasAdapter(FrameAdapter):
         return [by_str.get(f, f) for f in field_names]
 
     def _to_pandas(self, table: pa.Table, header: Header) -> pd.DataFrame:
-        frame = table.to_pandas()
+        frame = _nullable_ints(table, table.to_pandas())
         if header.names is not None:
             frame.columns = self._restored([str(c) for c in frame.columns], header)
         return frame
