@@ -73,3 +73,47 @@ def test_bad_options_are_named(client: Client) -> None:
         bootstrap_dask_cluster(client, timeot=3)
     with pytest.raises(MPShuffleError, match="local"):
         bootstrap_dask_cluster(client, comm="local")
+
+
+def _fail_in_guard(timeout: bool) -> str:
+    """In a task: let the worker plugin's phase guard see a failed extract of a made-up run."""
+    from distributed import get_worker
+
+    from mpshuffle.dask.context import RunInfo
+    from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
+
+    worker = get_worker()
+    plugin = worker.plugins["mpshuffle"]
+    ctx = get_worker_context()
+    # A real run on the scheduler (no graph behind it), so that the guard's
+    # question to the scheduler about it has an answer.
+    run = plugin.get_run(f"guard-test-{timeout}", 1, f"guard-extract-{timeout}", f"guard-barrier-{timeout}")
+    assert isinstance(run, RunInfo) and run.generation == ctx.generation
+    error = ShuffleTimeoutError("data did not arrive within 1 s") if timeout else ShuffleError("the run was released")
+    try:
+        with plugin.guard("extract", run, ctx):
+            raise error
+    except ShuffleError as e:
+        return str(e)
+    return "no error"
+
+
+def test_only_timeouts_retire_a_generation(client: Client) -> None:
+    """Bad data or a released run leaves the generation alone; a rank that timed out retires it."""
+    gen = bootstrap_dask_cluster(client)
+    msg = client.submit(_fail_in_guard, False, pure=False).result()
+    assert msg.startswith("extract phase on rank") and "released" in msg
+    again = bootstrap_dask_cluster(client)
+    assert again.id == gen.id and not again.bootstrapped
+    msg = client.submit(_fail_in_guard, True, pure=False).result()
+    assert "did not arrive within 1 s" in msg
+    after = bootstrap_dask_cluster(client)
+    assert after.bootstrapped and after.id != gen.id
+
+    def forget(dask_scheduler):  # type: ignore[no-untyped-def]
+        plugin = dask_scheduler.plugins["mpshuffle"]
+        for run in list(plugin.runs.values()):
+            plugin._end_run(run)
+        return len(plugin.runs)
+
+    assert client.run_on_scheduler(forget) == 0

@@ -11,6 +11,7 @@ from mpshuffle.errors import (
     MPShuffleError,
     OptionError,
     ShuffleError,
+    ShuffleTimeoutError,
     SpillError,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "MPShuffleError",
     "OptionError",
     "ShuffleError",
+    "ShuffleTimeoutError",
     "SpillError",
     "__version__",
 ]

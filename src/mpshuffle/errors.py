@@ -16,6 +16,7 @@ __all__ = [
     "MPShuffleError",
     "OptionError",
     "ShuffleError",
+    "ShuffleTimeoutError",
     "SpillError",
     "phase",
 ]
@@ -57,6 +58,13 @@ class BootstrapError(MPShuffleError):
 
 class ShuffleError(MPShuffleError):
     """A shuffle failed in one of its phases (insert, barrier, extract)."""
+
+
+class ShuffleTimeoutError(ShuffleError, TimeoutError):
+    """A wait of a shuffle (a send, the barrier, an extract) ran past its timeout.
+
+    The message names the ranks and workers that were waited for.
+    """
 
 
 class SpillError(ShuffleError):

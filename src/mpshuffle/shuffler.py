@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from mpshuffle.errors import CommError, ShuffleError, SpillError
+from mpshuffle.errors import CommError, ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox
 from mpshuffle.table import PackedData, partition_owner
 
@@ -166,7 +166,7 @@ class Shuffler:
         except CommError as e:
             raise ShuffleError(f"sending a chunk of shuffle op {self.op_id} failed: {e}") from e
         except concurrent.futures.TimeoutError:
-            raise ShuffleError(
+            raise ShuffleTimeoutError(
                 f"shuffle op {self.op_id} on rank {self.comm.rank}: a send did not complete within "
                 f"{timeout:g} s"
             ) from None
@@ -296,7 +296,9 @@ class Shuffler:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.comm.nranks)) - self._acks)
                 who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
-                raise ShuffleError(f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s")
+                raise ShuffleTimeoutError(
+                    f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s"
+                )
         self._raise_if_failed()
         # Our own ack came after our insert_finished, so _owned is set by now.
         if not self._owned:
@@ -323,7 +325,7 @@ class Shuffler:
                         if self._expected[r] is None or self._received[r] != self._expected[r]
                     ]
                 who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
-                raise ShuffleError(
+                raise ShuffleTimeoutError(
                     f"shuffle op {self.op_id} on rank {self.comm.rank}: data from {who} "
                     f"did not arrive within {timeout:g} s"
                 )

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from mpshuffle.errors import ShuffleError
+from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
 from mpshuffle.memory import BufferResource, MemoryType, Reservation
 from mpshuffle.table import PackedData
 from mpshuffle.table.device import (
@@ -429,7 +429,7 @@ class DeviceRun:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.comm.nranks)) - set(self._acks))
                 who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
-                raise ShuffleError(
+                raise ShuffleTimeoutError(
                     f"device shuffle op {self.op_id}: {who} did not finish the exchange within {timeout:g} s"
                 )
         self._raise_if_failed()
@@ -578,7 +578,7 @@ class DeviceRun:
         """
         t0 = time.perf_counter()
         if not self._exchanged.wait(timeout):
-            raise ShuffleError(
+            raise ShuffleTimeoutError(
                 f"device shuffle op {self.op_id} on rank {self.comm.rank}: the exchange did not "
                 f"finish within {timeout:g} s"
             )

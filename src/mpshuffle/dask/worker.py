@@ -273,9 +273,10 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                     from distributed import Reschedule
 
                     raise Reschedule() from None
-            elif name != "insert":
-                # A barrier or extract that failed without a lost peer timed out
-                # waiting for one: retire the generation, whose next run could hang the same way.
+            elif isinstance(e, TimeoutError):
+                # A wait that timed out without a lost peer means a rank stopped
+                # answering: retire the generation, whose next run could hang the
+                # same way. Other errors (bad data, a released run) leave it alone.
                 self._verdict(run, 0)
             e.args = (_name_workers(str(e), ctx), *e.args[1:])
             raise
