@@ -297,12 +297,14 @@ def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
     ops = {(r["op_id"], r["generation"]) for r in inserted}
     with phase("bootstrap"):
         run, ctx, runtime = _bind(spec)
+    if ops and ops != {(run.op_id, run.generation)}:
+        # An insert that was running when its run restarted finished with the
+        # old run's result: its data went to the old run, so compute again.
+        reason = f"its inserts ran in different runs {sorted(ops)}"
+        if hasattr(runtime, "restart_run"):
+            runtime.restart_run(run, reason)
+        raise ShuffleError(f"barrier phase: shuffle {spec.token}: {reason}")
     with _guard(runtime, "barrier", run, ctx):
-        if ops and ops != {(run.op_id, run.generation)}:
-            raise ShuffleError(
-                f"the inserts of shuffle {spec.token} ran in different runs {sorted(ops)}; "
-                "the run was restarted (a worker left or the generation changed)"
-            )
         ctx.shuffler(run.op_id, device=is_device_meta(spec.meta)).barrier(
             spec.npartitions, ctx.options.timeout
         )

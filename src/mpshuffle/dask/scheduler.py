@@ -139,10 +139,14 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers["mpshuffle_get_root"] = self.get_root
         scheduler.handlers["mpshuffle_get_run"] = self.get_run
         scheduler.handlers["mpshuffle_run_lost"] = self.run_lost
+        scheduler.handlers["mpshuffle_restart_run"] = self.restart_run
 
     async def close(self) -> None:
         if self.scheduler is not None:
-            for name in ("mpshuffle_publish_root", "mpshuffle_get_root", "mpshuffle_get_run", "mpshuffle_run_lost"):
+            for name in (
+                "mpshuffle_publish_root", "mpshuffle_get_root", "mpshuffle_get_run",
+                "mpshuffle_restart_run", "mpshuffle_run_lost",
+            ):
                 self.scheduler.handlers.pop(name, None)
 
     # -- generations -----------------------------------------------------
@@ -346,6 +350,22 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                     gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
                 )
         return {"restart": run.restarted, "alive": alive}
+
+    async def restart_run(self, op_id: int, reason: str) -> dict[str, Any]:
+        """Handler: the barrier of run ``op_id`` found inserts of an older run; compute it again.
+
+        An insert task that was executing when its run restarted can finish
+        with the old run's result and be taken as the result of its new
+        execution (Dask resumes a released task that is still running). Its
+        data went to the old run, so the whole run is restarted.
+
+        Returns ``{"restarted": bool}``.
+        """
+        run = self._by_op.get(op_id)
+        if run is None or run.error is not None or self.runs.get(run.token) is not run:
+            return {"restarted": False}
+        self._restart(run, f"shuffle op {op_id}: {reason}", f"mpshuffle-restart-{op_id}-{time.time()}")
+        return {"restarted": run.restarted}
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish not in ("released", "forgotten", "erred") or not isinstance(key, str):

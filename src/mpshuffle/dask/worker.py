@@ -281,6 +281,28 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             e.args = (_name_workers(str(e), ctx), *e.args[1:])
             raise
 
+    def restart_run(self, run: RunInfo, reason: str) -> None:
+        """Ask the scheduler to compute ``run`` again, then reschedule this task.
+
+        Called from a task thread (the barrier) that found inputs of an older
+        run; the restart releases this task too, so the ``Reschedule`` only
+        matters if the scheduler declined.
+
+        Raises
+        ------
+        distributed.Reschedule
+            If the run was restarted.
+        ShuffleError
+            If it was not (naming ``reason``).
+        """
+        assert self.worker is not None
+        resp = sync(self.worker.loop, self.worker.scheduler.mpshuffle_restart_run, op_id=run.op_id, reason=reason)
+        if resp.get("restarted"):
+            from distributed import Reschedule
+
+            raise Reschedule()
+        raise ShuffleError(f"shuffle op {run.op_id}: {reason}, and it could not be restarted")
+
     def _verdict(self, run: RunInfo, timeout: float) -> dict[str, Any]:
         assert self.worker is not None
         try:
