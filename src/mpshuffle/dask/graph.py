@@ -29,6 +29,7 @@ from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.dask.device import is_device_meta
 from mpshuffle.errors import ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
+from mpshuffle.table.base import check_columns
 from mpshuffle.table.device import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
@@ -229,7 +230,10 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
                 f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
                 f"meta is a {type(spec.meta).__name__}"
             )
-        _check_columns(adapter, frame, spec, input_index)
+        check_columns(
+            adapter.column_names(frame), get_adapter(spec.meta).column_names(spec.meta),
+            what=f"input partition {input_index}",
+        )
         if is_device_meta(spec.meta):
             # Device tables stay on the GPU; they move over NCCL at the barrier.
             ids = None if spec.partitioner is None else _device_ids(adapter, frame, spec)
@@ -273,23 +277,6 @@ def _device_ids(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
             f"[0, {spec.npartitions}) for a frame of {adapter.num_rows(frame)} rows"
         )
     return ids
-
-
-def _check_columns(adapter: Any, frame: Any, spec: ShuffleSpec, input_index: int) -> None:
-    have = list(adapter.column_names(frame))
-    want = list(get_adapter(spec.meta).column_names(spec.meta))
-    missing = [c for c in want if c not in have]
-    if missing:
-        raise ShuffleError(
-            f"input partition {input_index} lacks column(s) {missing!r} that the collection's "
-            f"meta declares (it has {have!r})"
-        )
-    extra = [c for c in have if c not in want]
-    if extra:
-        raise ShuffleError(
-            f"input partition {input_index} has column(s) {extra!r} that the collection's meta "
-            f"does not declare (meta has {want!r})"
-        )
 
 
 def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:

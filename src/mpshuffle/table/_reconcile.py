@@ -17,31 +17,14 @@ import numpy as np
 import pandas as pd
 
 from mpshuffle.errors import ShuffleError
+from mpshuffle.table.base import check_columns as base_check_columns
 
 __all__ = ["check_columns", "reconcile"]
 
 
 def check_columns(actual: list[Any], meta: pd.DataFrame) -> None:
-    """Raise if the data's columns and the meta's differ as sets.
-
-    Raises
-    ------
-    ShuffleError
-        Naming the columns of ``meta`` that the data lacks, or the data's
-        columns that ``meta`` lacks.
-    """
-    expected = list(meta.columns)
-    missing = [c for c in expected if c not in actual]
-    if missing:
-        raise ShuffleError(
-            f"the data lacks column(s) {missing!r} that the meta declares "
-            f"(data columns: {actual!r})"
-        )
-    extra = [c for c in actual if c not in expected]
-    if extra:
-        raise ShuffleError(
-            f"the data has column(s) {extra!r} that the meta lacks (meta columns: {expected!r})"
-        )
+    """Raise if the data's columns and the meta's differ as sets (see :func:`~mpshuffle.table.base.check_columns`)."""
+    base_check_columns(actual, list(meta.columns))
 
 
 def _lossy(name: Any, have: Any, want: Any, why: str = "") -> ShuffleError:

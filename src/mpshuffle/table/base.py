@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from mpshuffle.errors import ShuffleError
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -120,6 +122,38 @@ class FrameAdapter(ABC):
     @abstractmethod
     def empty_like(self, meta: Any) -> Any:
         """Return a frame with 0 rows and ``meta``'s columns and dtypes."""
+
+
+def check_columns(actual: Sequence[Any], expected: Sequence[Any], what: str = "the data") -> None:
+    """Raise if a frame's columns and its meta's differ as sets.
+
+    Parameters
+    ----------
+    actual
+        The frame's column names.
+    expected
+        The meta's column names.
+    what
+        Names the frame in the message, e.g. ``"input partition 3"``.
+
+    Raises
+    ------
+    mpshuffle.errors.ShuffleError
+        Naming the meta's columns that the frame lacks, or the frame's columns
+        that the meta lacks.
+    """
+    missing = [c for c in expected if c not in actual]
+    if missing:
+        raise ShuffleError(
+            f"{what} lacks column(s) {missing!r} that the collection's meta declares "
+            f"(it has {list(actual)!r})"
+        )
+    extra = [c for c in actual if c not in expected]
+    if extra:
+        raise ShuffleError(
+            f"{what} has column(s) {extra!r} that the collection's meta does not declare "
+            f"(meta has {list(expected)!r})"
+        )
 
 
 class AdapterRegistry:
