@@ -560,3 +560,20 @@ def test_nbytes_and_counts() -> None:
     adapter = get_adapter(frame)
     assert adapter.nbytes(frame) == frame.memory_usage(deep=True).sum()
     assert adapter.num_rows(frame) == 40 and adapter.column_names(frame) == list(frame.columns)
+
+
+def test_equal_object_keys_hash_alike_in_every_partition() -> None:
+    """True == 1 == 1.0 (pandas groups them): the same id whichever comes first in a partition."""
+    parts = [
+        pd.DataFrame({"k": pd.Series([True, 1], dtype=object)}),
+        pd.DataFrame({"k": pd.Series([1, 1.0], dtype=object)}),
+        pd.DataFrame({"k": pd.Series([1.0, "x", None], dtype=object)}),
+        pd.DataFrame({"k": pd.Series([np.int64(1), (1, 2)], dtype=object)}),
+    ]
+    ids = [partition_ids(p, 1000) for p in parts]
+    ones = {int(i[0]) for i in ids} | {int(ids[0][1]), int(ids[1][1]), int(ids[3][0])}
+    assert len(ones) == 1
+    # 2.5 and 0.0 / -0.0 in mixed columns too
+    a = partition_ids(pd.DataFrame({"k": pd.Series([2.5, "y", 0.0], dtype=object)}), 1000)
+    b = partition_ids(pd.DataFrame({"k": pd.Series([(3,), 2.5, -0.0], dtype=object)}), 1000)
+    assert a[0] == b[1] and a[2] == b[2]

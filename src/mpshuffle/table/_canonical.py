@@ -10,7 +10,7 @@ path and cannot drift apart; only pandas ``object`` columns take their own path.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -78,8 +78,40 @@ def hash_object_values(
     """
     if null is None:
         null = pd.isna(values)
+    if pd.api.types.infer_dtype(values, skipna=True) not in ("string", "bytes", "empty"):
+        values = _canonical_objects(values)
     hashes = pd.util.hash_array(values, hash_key=_HASH_KEY, categorize=True)
     return _with_nulls(np.asarray(hashes, dtype=np.uint64), null)
+
+
+def _canonical_objects(values: npt.NDArray[np.object_]) -> npt.NDArray[np.object_]:
+    """Replace numbers in a mixed object array by one text per equal value.
+
+    ``True == 1 == 1.0`` in Python, and pandas groups them together; but
+    hashing ``str(value)`` after factorizing hashes whichever of them came
+    first in the partition, so equal keys could land in different output
+    partitions. Each distinct value (not each row) is mapped: booleans and
+    integral numbers to the decimal text of the integer, other reals to
+    ``repr(float)``, anything else to ``str``.
+    """
+    codes, uniques = pd.factorize(values, use_na_sentinel=True)
+    canon = np.empty(len(uniques) + 1, dtype=object)
+    canon[:-1] = [_canonical_object(u) for u in uniques]
+    canon[-1] = None  # code -1: missing, hashed as NULL_HASH by the caller
+    return canon[codes]
+
+
+def _canonical_object(value: Any) -> Any:
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        f = float(value)
+        if f.is_integer():
+            return str(int(f))
+        return repr(0.0 if f == 0 else f)
+    return str(value)
 
 
 def _hash_temporal(arr: pa.Array) -> npt.NDArray[np.uint64]:

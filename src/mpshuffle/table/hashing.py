@@ -16,10 +16,12 @@ The hash
      epoch, UTC, for datetimes; naive datetimes are taken as UTC), hashed as
      integers, so tz-aware values hash by instant and every unit agrees;
    - strings, bytes, ``object``: :func:`pandas.util.hash_array`'s SipHash-2-4 with
-     the key ``"0123456789123456"`` of the UTF-8 bytes (``object`` arrays with any
-     non-string value hash ``str(value)``); a ``category`` / Arrow dictionary
-     column hashes like its values, so ``category`` and ``str`` of the same text
-     agree;
+     the key ``"0123456789123456"`` of the UTF-8 bytes. ``object`` arrays with
+     any other value hash a text per value: booleans and integral numbers the
+     decimal integer (so ``True``, ``1`` and ``1.0``, which compare equal,
+     agree), other reals ``repr(float)``, anything else ``str(value)``. A
+     ``category`` / Arrow dictionary column hashes like its values, so
+     ``category`` and ``str`` of the same text agree;
    - every missing value (``None``, ``NaN``, ``pd.NA``, ``NaT``, Arrow null) of
      any type: the fixed :data:`NULL_HASH` ``0x9E3779B97F4A7C15``. So all null
      keys land in one partition.
