@@ -88,13 +88,20 @@ def _fraction(name: str, value: Any, *, allow_none: bool = False) -> float | Non
     return f
 
 
+# Longest wait accepted, in seconds (a year): every wait must end, and waits
+# past threading.TIMEOUT_MAX overflow.
+MAX_TIMEOUT = 365 * 24 * 3600.0
+
+
 def _positive(name: str, value: Any) -> float:
     try:
         f = float(value)
     except (TypeError, ValueError):
-        raise OptionError(f"option {name!r} must be a positive number, got {value!r}") from None
-    if not f > 0:
-        raise OptionError(f"option {name!r} must be positive, got {value!r}")
+        raise OptionError(f"option {name!r} must be a positive number of seconds, got {value!r}") from None
+    if not 0 < f <= MAX_TIMEOUT:
+        raise OptionError(
+            f"option {name!r} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}"
+        )
     return f
 
 
