@@ -735,3 +735,30 @@ def test_fewer_output_partitions_than_ranks(barrier_rank: int) -> None:
     finally:
         for ctx in ctxs:
             ctx.close()
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        pd.Series([[1, 2], [3]] * 3, dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
+        pd.Series([{"a": 1}, {"a": 2}] * 3, dtype=pd.ArrowDtype(pa.struct([("a", pa.int64())]))),
+        pd.Series(["a", "b"] * 3, dtype=pd.ArrowDtype(pa.dictionary(pa.int32(), pa.string()))),
+        pd.Series([1, 2] * 3, dtype=pd.ArrowDtype(pa.decimal128(10, 2))),
+        pd.Series(pd.date_range("2020", periods=6, tz="UTC"), dtype=pd.ArrowDtype(pa.timestamp("us", "UTC"))),
+    ],
+    ids=["list", "struct", "dictionary", "decimal", "timestamp-tz"],
+)
+def test_arrow_dtype_columns_round_trip(column: pd.Series) -> None:
+    """pandas ArrowDtype columns (read_parquet(dtype_backend="pyarrow")), nested ones included."""
+    pdf = pd.DataFrame({"k": range(6), "x": column})
+    with dask.config.set(scheduler="sync"):
+        out = shuffle(dd.from_pandas(pdf, npartitions=2), on="k", npartitions=3).compute()
+    assert out["x"].dtype == pdf["x"].dtype
+    pd.testing.assert_frame_equal(out.sort_values("k").reset_index(drop=True), pdf)
+
+
+def test_unhashable_key_column_is_named() -> None:
+    pdf = pd.DataFrame({"k": range(4), "x": pd.Series([[1], [2]] * 2, dtype=pd.ArrowDtype(pa.list_(pa.int64())))})
+    with dask.config.set(scheduler="sync"):
+        with pytest.raises(ShuffleError, match="key column 'x' of dtype list<item: int64>.* cannot be hashed"):
+            shuffle(dd.from_pandas(pdf, npartitions=2), on="x", npartitions=2).compute()

@@ -125,11 +125,20 @@ def reconcile(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
     changed = {
         name: cast_lossless(frame[name], want)
         for name, want in meta.dtypes.items()
-        if frame[name].dtype != want
+        if not _same_dtype(frame[name].dtype, want)
     }
     if changed:
         frame = _replace(frame, changed)
     return frame
+
+
+def _same_dtype(have: Any, want: Any) -> bool:
+    # numpy compares its dtypes with an ArrowDtype by parsing it, which fails
+    # ("data type not understood") for nested Arrow types.
+    try:
+        return bool(have == want)
+    except TypeError:
+        return False
 
 
 def _replace(frame: pd.DataFrame, changed: dict[Any, pd.Series]) -> pd.DataFrame:

@@ -147,17 +147,28 @@ def partition_ids(keys: Any, npartitions: int) -> npt.NDArray[np.int64]:
     ValueError
         If ``keys`` has no columns or ``npartitions`` is out of range.
     TypeError
-        If ``keys`` is neither a pandas DataFrame nor a pyarrow Table.
+        If ``keys`` is neither a pandas DataFrame nor a pyarrow Table, or a key
+        column holds values that cannot be hashed (lists, dicts); names the column.
     """
     _check_npartitions(npartitions)
     if isinstance(keys, pd.DataFrame):
-        hashes = [hash_pandas_column(keys.iloc[:, i]) for i in range(keys.shape[1])]
+        columns = [(keys.columns[i], keys.iloc[:, i], hash_pandas_column) for i in range(keys.shape[1])]
     elif isinstance(keys, pa.Table):
-        hashes = [hash_arrow_column(col) for col in keys.columns]
+        columns = [(name, col, hash_arrow_column) for name, col in zip(keys.column_names, keys.columns)]
     else:
         raise TypeError(
             f"partition_ids needs a pandas.DataFrame or pyarrow.Table, got {type(keys).__name__}"
         )
+    hashes = []
+    for name, column, hash_column in columns:
+        try:
+            hashes.append(hash_column(column))
+        except (TypeError, pa.ArrowNotImplementedError) as e:
+            raise TypeError(
+                f"key column {name!r} of dtype {getattr(column, 'dtype', None) or column.type} cannot "
+                f"be hashed ({e}); shuffle on columns of scalar values (numbers, strings, dates, "
+                "booleans, categoricals)"
+            ) from e
     return ids_from_hashes(combine_hashes(hashes), npartitions)
 
 

@@ -66,6 +66,24 @@ _OBJECT_SAFE = (
 )
 
 
+def _arrow_dtypes_round_trip(frame: pd.DataFrame) -> bool:
+    """Whether pyarrow's ``to_pandas`` can read back every ``ArrowDtype`` column.
+
+    It rebuilds extension dtypes from their names in the pandas metadata, and
+    pandas cannot parse the names of nested or dictionary Arrow types
+    (``list<item: int64>[pyarrow]``); such frames travel pickled instead.
+    """
+    for dtype in frame.dtypes:
+        if isinstance(dtype, pd.ArrowDtype):
+            try:
+                pd.api.types.pandas_dtype(str(dtype))
+            except TypeError:
+                return False
+            except Exception:  # noqa: BLE001 - e.g. decimal128(10, 2): pyarrow reads those itself
+                continue
+    return True
+
+
 def _objects_round_trip(frame: pd.DataFrame, table: pa.Table, index: bool) -> bool:
     """Whether every ``object`` column (and kept index level) got an Arrow type that round-trips."""
     dtypes = list(frame.dtypes)
@@ -182,6 +200,8 @@ class PandasAdapter(FrameAdapter):
         if ids is None:
             ids = self.partition_ids(frame, on, npartitions)
         names = self._names(frame)
+        if not _arrow_dtypes_round_trip(frame):
+            return self._split_pickle(frame, ids)
         try:
             table = pa.Table.from_pandas(frame, preserve_index=self.index)
         except _ARROW_CONVERSION_ERRORS:
