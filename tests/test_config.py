@@ -89,6 +89,7 @@ def test_host_budget_in_bytes() -> None:
         ("spill_host", 0, "'spill_host' must be positive"),
         ("spill_host", "lots", "'spill_host' must be a number of bytes"),
         ("spill_host", True, "'spill_host' must be a fraction in \\(0, 1\\] or bytes"),
+        ("spill_host", 1.5, "'spill_host' must be a fraction .* or a whole number of bytes"),
         ("spill_device", 1.5, "'spill_device' must be a fraction in \\(0, 1\\]"),
         ("spill_device", 0, "'spill_device' must be a fraction in \\(0, 1\\]"),
         ("spill_device", "half", "'spill_device' must be a number in \\(0, 1\\]"),

@@ -129,6 +129,9 @@ def test_bad_input_is_rejected_at_graph_build_time() -> None:
         shuffle(df, [])
     with pytest.raises(ValueError, match="npartitions"):
         shuffle(df, "a", npartitions=0)
+    for bad in (2.7, True, "3"):
+        with pytest.raises(TypeError, match="npartitions must be an integer"):
+            shuffle(df, "a", npartitions=bad)
 
 
 def test_local_scheduler_without_client() -> None:

@@ -127,6 +127,11 @@ def _spill_host(value: Any) -> float | int:
         raise OptionError(f"option 'spill_host' must be positive, got {value!r}")
     if value <= 1:
         return float(value)
+    if value != int(value):
+        raise OptionError(
+            f"option 'spill_host' must be a fraction in (0, 1] of the worker's memory_limit or a "
+            f"whole number of bytes, got {value!r}"
+        )
     return int(value)
 
 

@@ -9,7 +9,7 @@ import dask
 import dask.dataframe as dd
 from dask.base import tokenize
 
-from mpshuffle.dask.graph import shuffle_graph
+from mpshuffle.dask.graph import check_npartitions, shuffle_graph
 
 __all__ = ["shuffle"]
 
@@ -45,6 +45,8 @@ def shuffle(
 
     Raises
     ------
+    TypeError
+        If ``df`` is not a dask DataFrame or ``npartitions`` not an integer.
     ValueError
         If ``on`` is empty, ``npartitions`` < 1, or the multiprocessing
         scheduler is configured.
@@ -70,10 +72,7 @@ def shuffle(
     missing = [c for c in on if c not in df.columns]
     if missing:
         raise KeyError(f"shuffle key column(s) {missing!r} not in the DataFrame's columns {list(df.columns)!r}")
-    if npartitions is None:
-        npartitions = df.npartitions
-    if int(npartitions) < 1:
-        raise ValueError(f"npartitions must be >= 1, got {npartitions}")
+    npartitions = check_npartitions(df.npartitions if npartitions is None else npartitions)
     if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
         raise ValueError(
             "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
@@ -88,11 +87,11 @@ def shuffle(
     input_keys = df.__dask_keys__()
     token = tokenize(df._name, on, npartitions, keep_index)
     layer, keys = shuffle_graph(
-        input_keys, on=on, npartitions=int(npartitions), meta=meta, keep_index=keep_index, token=token
+        input_keys, on=on, npartitions=npartitions, meta=meta, keep_index=keep_index, token=token
     )
     graph = dict(df.__dask_graph__())
     graph.update(layer)
-    return dd.from_graph(graph, meta, (None,) * (int(npartitions) + 1), keys, "mpshuffle")
+    return dd.from_graph(graph, meta, (None,) * (npartitions + 1), keys, "mpshuffle")
 
 
 def _warm_up() -> None:

@@ -71,6 +71,28 @@ class ShuffleSpec:
     keep_index: bool = False
     partitioner: Any = None
 
+    def __dask_tokenize__(self) -> tuple[Any, ...]:
+        # Every task carries the spec; its token already names the shuffle.
+        # Without this, tokenizing the graph normalizes the meta once per task.
+        return ("mpshuffle.ShuffleSpec", self.token, self.insert_name, self.extract_name)
+
+
+def check_npartitions(npartitions: Any) -> int:
+    """Return ``npartitions`` as an ``int`` >= 1.
+
+    Raises
+    ------
+    TypeError
+        If it is not an integer (a float such as ``2.7``, a bool, a string).
+    ValueError
+        If it is < 1.
+    """
+    if isinstance(npartitions, bool) or not isinstance(npartitions, (int, np.integer)):
+        raise TypeError(f"npartitions must be an integer, got {npartitions!r}")
+    if npartitions < 1:
+        raise ValueError(f"npartitions must be >= 1, got {npartitions}")
+    return int(npartitions)
+
 
 def shuffle_graph(
     input_keys: Sequence[Any],
@@ -130,9 +152,7 @@ def shuffle_graph(
     on = tuple(on)
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
-    if int(npartitions) < 1:
-        raise ValueError(f"npartitions must be >= 1, got {npartitions}")
-    npartitions = int(npartitions)
+    npartitions = check_npartitions(npartitions)
     if is_device_meta(meta):
         register_device_adapter()  # a CuPy table's adapter, registered on first use
     get_adapter(meta)  # raises TypeError for unsupported frame types

@@ -433,8 +433,19 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         if self.scheduler.status.name in ("closing", "closed", "closing_gracefully", "failed"):
             return  # the workers are going away with their contexts
         workers = [w for w in gen.workers if w in self.scheduler.workers]
-        if workers:
-            asyncio.ensure_future(self.scheduler.broadcast(msg=msg, workers=workers, on_error="ignore"))
+        for address in workers:
+            asyncio.ensure_future(self._tell(address, msg))
+
+    async def _tell(self, address: str, msg: dict[str, Any]) -> None:
+        # Fire and forget: a worker that is closing frees its runs itself, so a
+        # failed message is not an error (Scheduler.broadcast would log one).
+        assert self.scheduler is not None
+        msg = dict(msg)
+        op = msg.pop("op")
+        try:
+            await getattr(self.scheduler.rpc(address), op)(**msg)
+        except Exception as e:  # noqa: BLE001 - any comm failure means the worker is going away
+            logger.debug("mpshuffle: %s to %s not delivered: %s", op, address, e)
 
     # -- membership ------------------------------------------------------
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
