@@ -114,9 +114,14 @@ class Shuffler:
         self._acks: set[int] = set()
         self._acks_event = threading.Event()
         self._barrier_running = False
+        # The insert attempt whose data counts, per input partition (set by
+        # the barrier); None keeps everything (no barrier named them).
+        self._accepted: list[str] | None = None
 
     # -- insert ----------------------------------------------------------
-    def insert(self, input_index: int, pieces: Mapping[int, PackedData], timeout: float) -> None:
+    def insert(
+        self, input_index: int, pieces: Mapping[int, PackedData], timeout: float, attempt: str = ""
+    ) -> None:
         """Send the pieces of one input partition to their owners.
 
         Back-pressure: at most one chunk (about ``batch_bytes``) per
@@ -131,6 +136,11 @@ class Shuffler:
         ----------
         input_index
             Index of the input partition (orders rows in the output).
+        attempt
+            Id of this execution of the insert task. An execution that Dask
+            abandoned (its run restarted while it ran) can still be sending;
+            the barrier names the attempt whose data counts, and extract drops
+            the others' pieces.
         pieces
             Output partition id -> packed piece of that partition.
         timeout
@@ -157,10 +167,10 @@ class Shuffler:
                 batches.setdefault(dest, []).append((pid, packed))
                 sizes[dest] = sizes.get(dest, 0) + packed.nbytes
                 if sizes[dest] >= self._batch_bytes:
-                    self._send_after(in_flight, dest, input_index, batches.pop(dest), timeout)
+                    self._send_after(in_flight, dest, (input_index, attempt), batches.pop(dest), timeout)
                     sizes[dest] = 0
             for dest, batch in batches.items():
-                self._send_after(in_flight, dest, input_index, batch, timeout)
+                self._send_after(in_flight, dest, (input_index, attempt), batch, timeout)
             for fut in in_flight.values():
                 fut.result(timeout)
         except CommError as e:
@@ -177,7 +187,7 @@ class Shuffler:
             self.statistics["seconds_insert"] += time.perf_counter() - t0
 
     def _send_after(
-        self, in_flight: dict[int, Any], dest: int, input_index: int,
+        self, in_flight: dict[int, Any], dest: int, source: tuple[int, str],
         batch: list[tuple[int, PackedData]], timeout: float,
     ) -> None:
         """Send a chunk to ``dest`` once the previous chunk to ``dest`` has gone."""
@@ -185,14 +195,15 @@ class Shuffler:
         if previous is not None:
             previous.result(timeout)
             self._raise_if_failed()
-        in_flight[dest] = self._send_chunk(dest, input_index, batch)
+        in_flight[dest] = self._send_chunk(dest, source, batch)
 
-    def _send_chunk(self, dest: int, input_index: int, batch: list[tuple[int, PackedData]]) -> Any:
+    def _send_chunk(self, dest: int, source: tuple[int, str], batch: list[tuple[int, PackedData]]) -> Any:
+        input_index, attempt = source
         header: list[Any] = []
         frames: list[Any] = [b""]
         nbytes = 0
         for pid, packed in batch:
-            header.append((pid, input_index, self._seq, packed.nrows))
+            header.append((pid, input_index, attempt, self._seq, packed.nrows))
             self._seq += 1
             frames.extend(packed.to_frames())
             nbytes += packed.nbytes
@@ -212,9 +223,9 @@ class Shuffler:
             header = msgpack.unpackb(frames[0])
             per_piece = (len(frames) - 1) // max(len(header), 1)
             entries = []
-            for k, (pid, input_index, seq, _nrows) in enumerate(header):
+            for k, (pid, input_index, attempt, seq, _nrows) in enumerate(header):
                 piece = PackedData.from_frames(frames[1 + k * per_piece : 1 + (k + 1) * per_piece])
-                entries.append((pid, (input_index, src, seq), piece))
+                entries.append((pid, (input_index, attempt, src, seq), piece))
             nbytes = sum(piece.nbytes for _, _, piece in entries)
             if self._error is None and not self._closed:
                 try:
@@ -235,7 +246,7 @@ class Shuffler:
             self._check_complete()
         elif kind == "inputs-done":
             info = msgpack.unpackb(frames[0])
-            self.insert_finished(info["npartitions"], reply_to=src)
+            self.insert_finished(info["npartitions"], reply_to=src, accepted=info.get("accepted"))
         elif kind == "inputs-done-ack":
             with self._lock:
                 self._acks.add(src)
@@ -248,11 +259,15 @@ class Shuffler:
                 self._complete.set()
 
     # -- barrier ---------------------------------------------------------
-    def insert_finished(self, npartitions: int, reply_to: int | None = None) -> None:
+    def insert_finished(
+        self, npartitions: int, reply_to: int | None = None, accepted: list[str] | None = None
+    ) -> None:
         """Mark this rank's inserts done: tell every peer how many chunks it got.
 
         Called on every rank by the barrier (through an ``"inputs-done"``
-        control message); ``npartitions`` is the number of output partitions.
+        control message); ``npartitions`` is the number of output partitions,
+        ``accepted`` the insert attempt whose data counts for each input
+        partition (``None``: all).
         """
         with self._lock:
             if self._inputs_done:
@@ -260,6 +275,7 @@ class Shuffler:
             else:
                 first = True
                 self._inputs_done = True
+                self._accepted = accepted
                 self.npartitions = npartitions
                 rank, nranks = self.comm.rank, self.comm.nranks
                 self._owned = {p for p in range(rank, npartitions, nranks)}
@@ -275,10 +291,12 @@ class Shuffler:
         if reply_to is not None:
             self.comm.send_nowait(reply_to, (TAG, self.op_id, "inputs-done-ack"), [])
 
-    def barrier(self, npartitions: int, timeout: float) -> None:
+    def barrier(self, npartitions: int, timeout: float, accepted: list[str] | None = None) -> None:
         """Run the shuffle's barrier from one rank (the barrier task's).
 
-        Sends ``"inputs-done"`` to every rank and waits until all confirmed.
+        Sends ``"inputs-done"`` (with ``npartitions`` and the ``accepted``
+        insert attempt of each input partition) to every rank and waits until
+        all confirmed.
 
         Raises
         ------
@@ -286,7 +304,7 @@ class Shuffler:
             Naming the ranks that did not confirm within ``timeout`` seconds,
             or the lost peer.
         """
-        info = msgpack.packb({"npartitions": npartitions})
+        info = msgpack.packb({"npartitions": npartitions, "accepted": accepted})
         self._barrier_running = True
         for dest in range(self.comm.nranks):
             self.comm.send_nowait(dest, (TAG, self.op_id, "inputs-done"), [info])
@@ -358,7 +376,7 @@ class Shuffler:
             self._extracted.add(partition_id)
             last = self._extracted == self._owned
         try:
-            pieces = self.postbox.pop(partition_id)
+            pieces = self.postbox.pop(partition_id, keep=self._keep)
         except SpillError as e:
             self.fail(e)
             raise
@@ -367,6 +385,14 @@ class Shuffler:
         if last:
             self._finish()
         return pieces
+
+    def _keep(self, order: tuple[Any, ...]) -> bool:
+        """Whether a piece (by its order key) came from its input's accepted attempt."""
+        accepted = self._accepted
+        if accepted is None:
+            return True
+        input_index, attempt = order[0], order[1]
+        return 0 <= input_index < len(accepted) and accepted[input_index] == attempt
 
     # -- failure and cleanup ---------------------------------------------
     def fail(self, error: BaseException) -> None:

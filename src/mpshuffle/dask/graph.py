@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -241,6 +242,9 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
 
     Returns a small record of the run (``op_id``, ``generation``) for the barrier.
     """
+    # Names this execution: if Dask abandons it (its run restarted while it
+    # ran), the barrier accepts another attempt's data for this partition.
+    attempt = uuid.uuid4().hex[:16]
     with phase("bootstrap"):
         run, ctx, runtime = _bind(spec, inserting=True)
     with _guard(runtime, "insert", run, ctx):
@@ -262,8 +266,8 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
             )
         else:
             pieces = _split(adapter, frame, spec)
-            ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout)
-    return {"op_id": run.op_id, "generation": run.generation}
+            ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout, attempt=attempt)
+    return {"op_id": run.op_id, "generation": run.generation, "attempt": attempt}
 
 
 def _with_index(adapter: Any, spec: ShuffleSpec) -> Any:
@@ -312,9 +316,11 @@ def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
             runtime.restart_run(run, reason)
         raise ShuffleError(f"barrier phase: shuffle {spec.token}: {reason}")
     with _guard(runtime, "barrier", run, ctx):
-        ctx.shuffler(run.op_id, device=is_device_meta(spec.meta)).barrier(
-            spec.npartitions, ctx.options.timeout
-        )
+        if is_device_meta(spec.meta):
+            ctx.shuffler(run.op_id, device=True).barrier(spec.npartitions, ctx.options.timeout)
+        else:
+            accepted = [r.get("attempt", "") for r in inserted]
+            ctx.shuffler(run.op_id).barrier(spec.npartitions, ctx.options.timeout, accepted=accepted)
     return {"op_id": run.op_id, "generation": run.generation, "workers": run.workers}
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpshuffle.errors import SpillError
@@ -130,8 +130,11 @@ class Postbox:
         self._error = error
         self.clear()
 
-    def pop(self, partition_id: int) -> list[PackedData]:
+    def pop(self, partition_id: int, keep: Callable[[Any], bool] | None = None) -> list[PackedData]:
         """Remove and return the pieces of ``partition_id``, sorted by their ``order``.
+
+        ``keep(order)``, if given, selects the pieces to return; the others
+        are dropped (and not read back from disk).
 
         Spilled pieces are read back (one read of the partition's file) and
         returned as zero-copy slices of that buffer.
@@ -145,6 +148,12 @@ class Postbox:
             raise self._error
         with self._lock:
             entries = self._pieces.pop(partition_id, [])
+        if keep is not None:
+            dropped = [e for e in entries if not keep(e[0])]
+            for _, _, reservation in dropped:
+                reservation.release()
+            if dropped:
+                entries = [e for e in entries if keep(e[0])]
         if any(isinstance(e[1], _Spilled) for e in entries):
             t0 = time.perf_counter()
             spilled = sum(item.nbytes for _, item, _ in entries if isinstance(item, _Spilled))

@@ -1,0 +1,35 @@
+"""The shuffler on the local communicator: finish counting and accepted insert attempts."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from mpshuffle.comm import LocalCommunicator
+from mpshuffle.memory import BufferResource
+from mpshuffle.shuffler import Shuffler
+from mpshuffle.table import PandasAdapter
+
+
+@pytest.fixture
+def shuffler():  # type: ignore[no-untyped-def]
+    comm = LocalCommunicator()
+    comm.register_handler("mps", lambda src, tag, frames: s.receive(src, tag, frames))
+    s = Shuffler(comm, 1, resource=BufferResource())
+    yield s
+    s.close()
+    comm.close()
+
+
+def test_only_the_accepted_attempt_of_an_input_counts(shuffler: Shuffler) -> None:
+    """An abandoned execution of an insert (its run restarted while it ran) sent data too."""
+    adapter = PandasAdapter()
+    part0 = pd.DataFrame({"k": [1, 2, 3], "v": [10, 20, 30]})
+    part1 = pd.DataFrame({"k": [4, 5], "v": [40, 50]})
+    shuffler.insert(0, adapter.split(part0, ["k"], 1), 5, attempt="old")
+    shuffler.insert(0, adapter.split(part0, ["k"], 1), 5, attempt="new")
+    shuffler.insert(1, adapter.split(part1, ["k"], 1), 5, attempt="only")
+    shuffler.barrier(1, 5, accepted=["new", "only"])
+    out = adapter.unpack(shuffler.extract(0, 5), part0.iloc[:0])
+    assert out["v"].tolist() == [10, 20, 30, 40, 50]
+    assert shuffler.closed
