@@ -270,6 +270,13 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             if ctx.comm.lost or run.op_id in self._failed:
                 verdict = self._verdict(run, ctx.options.timeout)
                 if verdict.get("restart"):
+                    if name == "insert":
+                        # The restart released this task; Dask may still take
+                        # this execution's result for the resumed task, and it
+                        # drops a Reschedule it cannot place (the task then
+                        # waits forever). Return normally instead: the result
+                        # names the old run, and the barrier restarts again.
+                        return
                     from distributed import Reschedule
 
                     raise Reschedule() from None
