@@ -651,7 +651,11 @@ class DeviceRun:
             if self._closed:
                 return
             self._closed = True
+            thread = self._thread
         self._free()
+        if thread is not None and thread is not threading.current_thread():
+            # It may still be sending its acks; a closed run leaves no thread behind.
+            thread.join(timeout=10)
         if self._on_done is not None:
             self._on_done(self.op_id)
 
