@@ -32,7 +32,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     int
         The exit status: 0 on success, 1 if a verification failed.
     """
-    parser = argparse.ArgumentParser(prog="mpshuffle", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="mpshuffle",
+        description="mpshuffle: fast, memory-bounded shuffles of dataframe partitions across a Dask cluster",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="shuffle TPC-H lineitem on a LocalCluster and report throughput")
     demo.add_argument("--scale-factor", "-s", type=float, default=0.5,
@@ -70,7 +73,7 @@ def _info() -> int:
     print("frame types:")
     print("  pandas      yes")
     print("  pyarrow     yes")
-    for name, what in (("cupy", "GPU device buffers"), ("cudf", "cudf DataFrames"), ("ucxx", "UCX transport")):
+    for name, what in (("cupy", "GPU device tables, NCCL transport"), ("cudf", "cudf DataFrames")):
         try:
             importlib.import_module(name)
             print(f"  {name:<11} yes ({what})")
