@@ -36,9 +36,7 @@ def _connect(rank: int, nranks: int, address_file: str):  # type: ignore[no-unty
     """Host communicator of ``nranks`` processes on this machine.
 
     Rank 0 listens on a free port and writes its address to ``address_file``;
-    the others read it from there (a fixed port is avoided on purpose:
-    TcpCommunicator's listener binds its address twice, which only a port 0
-    survives).
+    the others read it from there.
     """
     import os
     import time
