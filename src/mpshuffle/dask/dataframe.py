@@ -26,7 +26,9 @@ def shuffle(
     Parameters
     ----------
     df
-        The collection to shuffle (pandas partitions).
+        The collection to shuffle: pandas partitions, or cudf partitions
+        (dask_cudf; needs ``ignore_index=True``), which take the device path:
+        hash partitioning on each worker's GPU and NCCL between the GPUs.
     on
         Column name or names; rows with equal values end up in the same
         output partition. Null keys all land in one partition. See
@@ -48,8 +50,9 @@ def shuffle(
     TypeError
         If ``df`` is not a dask DataFrame or ``npartitions`` not an integer.
     ValueError
-        If ``on`` is empty, ``npartitions`` < 1, or the multiprocessing
-        scheduler is configured.
+        If ``on`` is empty, ``npartitions`` < 1, the multiprocessing
+        scheduler is configured, or the partitions are cudf frames and
+        ``ignore_index`` is False.
     KeyError
         If a column of ``on`` is not in ``df``; names the missing columns.
 

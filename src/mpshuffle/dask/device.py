@@ -58,6 +58,7 @@ import numpy as np
 from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
 from mpshuffle.memory import BufferResource, MemoryType, Reservation
 from mpshuffle.table import PackedData
+from mpshuffle.table.cudf import is_cudf_frame
 from mpshuffle.table.device import (
     DeviceAdapter,
     DeviceTable,
@@ -84,10 +85,14 @@ _XTAG = "mpsd-x"
 def is_device_meta(meta: object) -> bool:
     """Whether a shuffle of frames like ``meta`` takes the device run path.
 
-    True for a :class:`DeviceTable` whose columns are not NumPy arrays (CuPy);
-    NumPy-backed device tables (the host twin) use the host path.
+    True for a :class:`DeviceTable` whose columns are not NumPy arrays (CuPy)
+    and for a ``cudf.DataFrame`` (its columns are taken as CuPy arrays, see
+    :class:`~mpshuffle.table.cudf.CudfAdapter`); NumPy-backed device tables
+    (the host twin) use the host path. Never imports cudf or CuPy.
     """
-    return isinstance(meta, DeviceTable) and meta.xp is not np
+    if isinstance(meta, DeviceTable):
+        return meta.xp is not np
+    return is_cudf_frame(meta)
 
 
 class DeviceState:

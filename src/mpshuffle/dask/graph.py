@@ -31,7 +31,8 @@ from mpshuffle.dask.device import is_device_meta
 from mpshuffle.errors import ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns
-from mpshuffle.table.device import register_device_adapter
+from mpshuffle.table.cudf import to_device_table
+from mpshuffle.table.device import DeviceTable, register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 
@@ -140,7 +141,8 @@ def shuffle_graph(
     Raises
     ------
     ValueError
-        If ``on`` is empty or ``npartitions`` < 1.
+        If ``on`` is empty, ``npartitions`` < 1, or ``keep_index`` is asked
+        for cudf frames (their index does not travel).
     TypeError
         If ``meta``'s type has no frame adapter.
 
@@ -156,6 +158,11 @@ def shuffle_graph(
     npartitions = check_npartitions(npartitions)
     if is_device_meta(meta):
         register_device_adapter()  # a CuPy table's adapter, registered on first use
+        if keep_index and not isinstance(meta, DeviceTable):
+            raise ValueError(
+                "a shuffle of cudf frames does not carry the index: pass ignore_index=True "
+                "(keep_index=False)"
+            )
     get_adapter(meta)  # raises TypeError for unsupported frame types
     input_keys = list(input_keys)
     token = token or tokenize(input_keys, on, npartitions, keep_index, name, partitioner)
@@ -260,9 +267,10 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
         )
         if is_device_meta(spec.meta):
             # Device tables stay on the GPU; they move over NCCL at the barrier.
-            ids = None if spec.partitioner is None else _device_ids(adapter, frame, spec)
+            table = frame if isinstance(frame, DeviceTable) else to_device_table(frame)
+            ids = None if spec.partitioner is None else _device_ids(table, frame, spec)
             ctx.shuffler(run.op_id, device=True).insert(
-                input_index, frame, spec.on, spec.npartitions, ids
+                input_index, table, spec.on, spec.npartitions, ids
             )
         else:
             pieces = _split(adapter, frame, spec)
@@ -291,14 +299,16 @@ def _split(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
     return adapter.split(frame, list(spec.on), spec.npartitions, ids=ids)
 
 
-def _device_ids(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
-    ids = frame.xp.asarray(spec.partitioner(frame)).astype(np.int64)
-    if ids.shape != (adapter.num_rows(frame),) or (
+def _device_ids(table: DeviceTable, frame: Any, spec: ShuffleSpec) -> Any:
+    # The partitioner sees the task's frame (a cudf frame stays one); its ids
+    # go to the table's device.
+    ids = table.xp.asarray(spec.partitioner(frame)).astype(np.int64)
+    if ids.shape != (table.nrows,) or (
         len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= spec.npartitions)
     ):
         raise ShuffleError(
             f"the partitioner {spec.partitioner!r} returned ids of shape {ids.shape} outside "
-            f"[0, {spec.npartitions}) for a frame of {adapter.num_rows(frame)} rows"
+            f"[0, {spec.npartitions}) for a frame of {table.nrows} rows"
         )
     return ids
 

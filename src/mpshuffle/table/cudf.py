@@ -17,15 +17,46 @@ from mpshuffle.table.base import FrameAdapter
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
 from mpshuffle.table.packed import PackedData
 
-__all__ = ["CudfAdapter"]
+__all__ = ["CudfAdapter", "is_cudf_frame", "to_device_table"]
 
 
-def _to_device_table(df: Any) -> DeviceTable:
+def is_cudf_frame(obj: object) -> bool:
+    """Whether ``obj`` is a ``cudf.DataFrame`` (by its type; cudf is not imported)."""
+    cls = type(obj)
+    return cls.__module__.split(".")[0] == "cudf" and cls.__name__ == "DataFrame"
+
+
+def to_device_table(df: Any) -> DeviceTable:
+    """The columns of a ``cudf.DataFrame`` as a :class:`DeviceTable` (zero copy).
+
+    Parameters
+    ----------
+    df
+        A ``cudf.DataFrame`` of fixed-width numeric or bool columns without
+        nulls; its index is not taken.
+
+    Returns
+    -------
+    DeviceTable
+        CuPy views of the columns (``Series.values``), in column order.
+
+    Raises
+    ------
+    TypeError
+        If a column has nulls, or is not fixed-width (strings, lists, structs,
+        decimals, categoricals), naming the column.
+    """
     cols = {}
     for name in df.columns:
         col = df[name]
         if col.null_count:
             raise TypeError(f"cudf column {name!r} has nulls; the device adapter takes none")
+        kind = getattr(col.dtype, "kind", "O")
+        if kind not in "biuf":
+            raise TypeError(
+                f"cudf column {name!r} has dtype {col.dtype}; the device adapter takes "
+                "fixed-width numeric and bool columns only"
+            )
         cols[name] = col.values
     return DeviceTable(cols)
 
@@ -39,7 +70,7 @@ class CudfAdapter(FrameAdapter):
         self._device = DeviceAdapter()
 
     def matches(self, obj: object) -> bool:
-        return type(obj).__module__.startswith("cudf") and type(obj).__name__ == "DataFrame"
+        return is_cudf_frame(obj)
 
     def column_names(self, frame: Any) -> list[Any]:
         return list(frame.columns)
@@ -51,17 +82,17 @@ class CudfAdapter(FrameAdapter):
         return int(frame.memory_usage(index=False).sum())
 
     def partition_ids(self, frame: Any, on: Sequence[Any], npartitions: int) -> Any:
-        return self._device.partition_ids(_to_device_table(frame), on, npartitions)
+        return self._device.partition_ids(to_device_table(frame), on, npartitions)
 
     def split(
         self, frame: Any, on: Sequence[Any], npartitions: int, ids: Any = None
     ) -> dict[int, PackedData]:
-        return self._device.split(_to_device_table(frame), on, npartitions, ids)
+        return self._device.split(to_device_table(frame), on, npartitions, ids)
 
     def unpack(self, pieces: Sequence[PackedData], meta: Any) -> Any:
         import cudf
 
-        table = self._device.unpack(pieces, _to_device_table(meta))
+        table = self._device.unpack(pieces, to_device_table(meta))
         return cudf.DataFrame(dict(table.columns))
 
     def empty_like(self, meta: Any) -> Any:
