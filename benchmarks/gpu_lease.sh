@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# How benchmarks/results/gpu/ is produced on a lent 2-GPU machine that has no package index.
+#
+# Usage (repository root): bash benchmarks/gpu_lease.sh STEP...
+#   setup   install the rapidsmpf 26.04 anchor's wheels (cudf, dask-cuda, rapidsmpf, ucxx,
+#           dask/distributed 2026.1.1; staged in /tmp/stage as the anchor's README says)
+#           with the anchor's setup.sh ($ANCHOR, default .rmpf/anchor), which writes /tmp/pp.env
+#   tests   the GPU tests (two GPUs, dask-cuda, cudf) -> $OUT/gpu_tests.txt
+#   peer    benchmarks/gpu_peer_bench.py: rapidsmpf and mpshuffle, same cluster and data
+#   nodask  benchmarks/gpu_bench.py: no Dask, raw NCCL all-to-all and CuPy partition limits
+#   ucxx    benchmarks/gpu_ucxx_bench.py: UCXX next to NCCL between the two GPUs
+# mpshuffle itself is not installed: src/ goes first on PYTHONPATH.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+ANCHOR=${ANCHOR:-.rmpf/anchor}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+env_on() { source /tmp/pp.env && export PYTHONPATH="$PWD/src:$PYTHONPATH"; }
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    setup) bash "$ANCHOR/setup.sh" > "$OUT/setup.log" 2>&1; echo "setup rc=$?"; tail -40 "$OUT/setup.log" ;;
+    tests) (env_on && set -o pipefail && python3 -m pytest -p no:cacheprovider -o timeout=300 -v -rs \
+             tests/test_gpu.py tests/test_gpu_dask.py tests/test_gpu_cuda_cluster.py \
+             $(ls tests/test_device_run_spill.py 2>/dev/null) 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60) ;;
+    peer) (env_on && timeout 560 python3 benchmarks/gpu_peer_bench.py --out "$OUT" ${PEER_ARGS:-} 2>&1 \
+             | tee "$OUT/peer.log" | grep -v "^RESULT" | tail -30) ;;
+    nodask) (env_on && timeout 300 python3 benchmarks/gpu_bench.py --gb 10 --reps 3 --spill 10 \
+             --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/nodask.log" | tail -30) ;;
+    ucxx) (env_on && timeout 200 python3 benchmarks/gpu_ucxx_bench.py --gb 1 4 --reps 3 --out "$OUT" 2>&1 \
+             | tee "$OUT/ucxx.log" | tail -30) ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
