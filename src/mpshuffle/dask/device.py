@@ -11,7 +11,9 @@ are the same.
   each destination rank are one contiguous byte range. The buffer stays on
   this rank in the run's *outbox*, accounted as ``DEVICE`` memory; past the
   device budget (``spill_device``) the oldest outbox buffers are copied to
-  host memory (and accounted as ``HOST``).
+  host memory (and accounted as ``HOST``), and past the host budget
+  (``spill_host``) the oldest host buffers are written to the run's spill
+  directory (accounted as ``DISK``).
 * **barrier**: the barrier task sends ``inputs-done`` to every rank over the
   host communicator. On receipt each rank starts one collective *exchange* on
   a thread of its own (never on the progress thread or a worker's event
@@ -21,12 +23,22 @@ are the same.
   go to every peer over the host communicator, then the outbox buffers move
   in *rounds*, one input buffer per rank and round, each round one grouped
   NCCL send/receive straight between the GPUs. Received buffers are
-  accounted as ``DEVICE`` and spilled to host past the budget after each
-  round, so the device holds about the budget plus one round. Each rank
+  accounted as ``DEVICE`` and spilled to host (and on to disk) past the
+  budgets after each round, so the device holds about the budget plus one
+  round. An outbox buffer on disk is read back to host for its round. Each rank
   acknowledges the barrier when its exchange ended (with the error, if any).
 * **extract**: waits for the exchange and returns the partition's pieces
-  (views into the received buffers, on the device or spilled to host),
-  ordered by input partition; the device adapter concatenates them on the GPU.
+  (views into the received buffers, on the device or spilled to host, or
+  slices of the partition's spill file, read back to host once per extract
+  and deleted then), ordered by input partition; the device adapter
+  concatenates them on the GPU.
+
+Spill files: one directory per run and rank,
+``<spill_dir>/<spill_prefix>-op<op_id>-r<rank>``, made on the first write and
+removed with everything in it when the run closes or fails. A received
+buffer is written piece by piece into one file per output partition (as the
+host path's postbox does), so an extract reads one file; an outbox buffer is
+written whole into ``outbox/``, to be read back for its exchange round.
 
 Rounds keep NCCL's rule that both sides post their transfers in the same
 order without further messages: every rank knows, from the headers, which
@@ -35,16 +47,17 @@ peer sends what in round ``k``.
 Limitations: exchanges of one generation run one at a time on each rank, in
 the order their ``inputs-done`` arrived; two device shuffles whose barriers
 run concurrently on the same generation can order them differently on
-different ranks and then deadlock in NCCL. Spilling stops at host memory
-(no disk tier for device buffers). A peer lost in the middle of an NCCL
-round is not detected by NCCL itself; the barrier's and extract's timeouts
-end the tasks.
+different ranks and then deadlock in NCCL. Buffers on disk are read back
+to host memory, never straight to the device (no GPUDirect Storage). A peer
+lost in the middle of an NCCL round is not detected by NCCL itself; the
+barrier's and extract's timeouts end the tasks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -55,8 +68,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
-from mpshuffle.memory import BufferResource, MemoryType, Reservation
+from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
+from mpshuffle.memory import BufferResource, MemoryType, Reservation, SpillDirectory
 from mpshuffle.table import PackedData
 from mpshuffle.table.cudf import is_cudf_frame
 from mpshuffle.table.device import (
@@ -195,11 +208,13 @@ def setup_device(options: Options, rank: int) -> DeviceState | None:
 
 @dataclasses.dataclass
 class _Buffer:
-    """One device buffer of the run (an outbox or a received buffer), maybe spilled to host."""
+    """One device buffer of the run (an outbox or a received buffer), maybe spilled to host or disk."""
 
-    data: Any  # 1-D uint8, CuPy (device) or NumPy (spilled / host twin)
+    data: Any  # 1-D uint8, CuPy (device) or NumPy (spilled / host twin); None while on disk
     reservation: Reservation
     on_device: bool = True
+    # While on disk: per written segment (file key, offset in that file, bytes, DISK reservation).
+    disk: list[tuple[int, int, int, Reservation]] | None = None
 
     def spill(self, resource: BufferResource) -> int:
         """Move to host memory; return the bytes moved (0 if already there)."""
@@ -212,6 +227,63 @@ class _Buffer:
         self.reservation = resource.reserve(MemoryType.HOST, nbytes)
         self.on_device = False
         return nbytes
+
+    def spill_to_disk(
+        self, resource: BufferResource, directory: SpillDirectory, segments: Sequence[tuple[int, int, int]]
+    ) -> int:
+        """Write a host buffer's ``(file key, start, end)`` byte ranges to ``directory``.
+
+        The host memory is given up and the written bytes are accounted as
+        ``DISK``. Returns the bytes written (0 for a buffer on the device or
+        already on disk).
+
+        Raises
+        ------
+        SpillError
+            If a write failed; the buffer stays in host memory (what was
+            written goes when the run's directory is removed).
+        """
+        if self.on_device or self.disk is not None:
+            return 0
+        written: list[tuple[int, int, int, Reservation]] = []
+        try:
+            for key, start, end in segments:
+                offset, nbytes = directory.write(key, self.data[start:end])
+                written.append((key, offset, nbytes, resource.reserve(MemoryType.DISK, nbytes)))
+        except SpillError:
+            for *_, res in written:
+                res.release()
+            raise
+        self.disk = written
+        self.data = None
+        self.reservation.release()
+        return sum(w[2] for w in written)
+
+    def load(self, resource: BufferResource, directory: SpillDirectory) -> int:
+        """Read a buffer written as one segment back into host memory; return the bytes read.
+
+        Raises
+        ------
+        SpillError
+            If the file cannot be read.
+        """
+        if self.disk is None:
+            return 0
+        ((key, offset, nbytes, res),) = self.disk
+        view = directory.read(key)  # one key per buffer: the file holds only this buffer
+        if len(view) < offset + nbytes:
+            raise SpillError(f"spill file {key} in {directory.path} is missing or short (the run was freed)")
+        self.data = np.frombuffer(view, dtype=np.uint8)[offset : offset + nbytes]
+        self.disk = None
+        res.release()
+        self.reservation = resource.reserve(MemoryType.HOST, nbytes)
+        return nbytes
+
+    def release(self) -> None:
+        """Give back the buffer's memory and disk reservations (views of it stay valid)."""
+        self.reservation.release()
+        for *_, res in self.disk or ():
+            res.release()
 
 
 # (pid, offset in the range, data bytes, rows, adapter metadata)
@@ -251,7 +323,9 @@ class DeviceRun:
     op_id
         Id of the run, unique within the generation.
     resource
-        The worker's budgets; its ``DEVICE`` limit is the device budget.
+        The worker's budgets; its ``DEVICE`` limit is the device budget, its
+        ``HOST`` limit the host budget past which buffers go to disk, under
+        its ``spill_dir`` (in ``<spill_prefix>-op<op_id>-r<rank>``).
     state
         This rank's GPU and transport; ``None`` only for a single rank
         (no transport needed), e.g. NumPy device tables in tests.
@@ -267,9 +341,12 @@ class DeviceRun:
     statistics
         ``bytes_inserted``, ``bytes_sent`` (to other ranks), ``bytes_received``
         (from other ranks and itself), ``bytes_spilled`` (device to host),
-        ``rounds``, ``seconds_insert``, ``seconds_headers``,
-        ``seconds_exchange`` (NCCL rounds), ``seconds_spill``,
-        ``seconds_wait``, ``seconds_extract``.
+        ``bytes_spilled_disk`` (host to disk), ``bytes_unspilled_disk`` (read
+        back from disk), ``rounds``, ``seconds_insert``, ``seconds_headers``,
+        ``seconds_exchange`` (NCCL rounds), ``seconds_spill`` (device to
+        host), ``seconds_spill_disk``, ``seconds_unspill_disk``,
+        ``seconds_wait``, ``seconds_extract``; bytes are buffer sizes,
+        seconds wall time summed over calls.
     """
 
     def __init__(
@@ -295,7 +372,8 @@ class DeviceRun:
             "bytes_inserted": 0, "bytes_sent": 0, "bytes_received": 0, "bytes_spilled": 0,
             "rounds": 0, "seconds_insert": 0.0, "seconds_headers": 0.0,
             "seconds_exchange": 0.0, "seconds_spill": 0.0, "seconds_wait": 0.0,
-            "seconds_extract": 0.0,
+            "seconds_extract": 0.0, "bytes_spilled_disk": 0, "bytes_unspilled_disk": 0,
+            "seconds_spill_disk": 0.0, "seconds_unspill_disk": 0.0,
         }
         self._lock = threading.Lock()
         self._outbox: list[_Outgoing] = []
@@ -311,6 +389,15 @@ class DeviceRun:
         self._error: BaseException | None = None
         self._closed = False
         self._adapter = DeviceAdapter()
+        # Received pieces go to disk into one file per output partition (an
+        # extract reads one file); outbox buffers whole, one file each, below it.
+        path = os.path.join(resource.spill_dir, f"{resource.spill_prefix}-op{op_id}-r{comm.rank}")
+        self._spill_in = SpillDirectory(path, owner=resource.owner)
+        self._spill_out = SpillDirectory(os.path.join(path, "outbox"), owner=resource.owner)
+        self._outbox_keys = itertools.count()
+        # Held by a spill pass and by _free, so a pass never moves a freed buffer.
+        self._spill_lock = threading.Lock()
+        self._freed = False
 
     def _scope(self) -> Any:
         return self.state.scope() if self.state is not None else contextlib.nullcontext()
@@ -396,24 +483,97 @@ class DeviceRun:
                     "build each partition on its worker's GPU"
                 )
 
+    def _over(self, memory_type: MemoryType) -> bool:
+        available = self.resource.available(memory_type)
+        return available is not None and available < 0
+
     def _spill_over_budget(self) -> None:
-        """Copy the oldest device buffers to host until the device use is within budget."""
-        available = self.resource.available(MemoryType.DEVICE)
-        if available is None or available >= 0:
+        """Move the oldest buffers down a tier while a tier is over its budget.
+
+        Device buffers are copied to host while the ``DEVICE`` use is past its
+        budget; then host buffers are written to disk while the ``HOST`` use
+        is past its budget (the worker's, shared with its host shuffles).
+
+        Raises
+        ------
+        SpillError
+            If writing to disk failed (e.g. the disk is full); the run is
+            failed first, which frees its buffers and spill files.
+        """
+        if not (self._over(MemoryType.DEVICE) or self._over(MemoryType.HOST)):
+            return
+        try:
+            with self._spill_lock:
+                if not self._freed:
+                    self._spill_locked()
+        except SpillError as e:
+            self.fail(e)
+            raise
+
+    def _spill_locked(self) -> None:
+        with self._lock:
+            # Oldest first: the outbox in insert order, then received buffers.
+            entries: list[tuple[_Buffer, list[_Piece] | None]] = [
+                (o.buffer, None) for o in self._outbox if o.buffer is not None
+            ]
+            entries += [(i.buffer, i.pieces) for i in self._incoming]
+        if self._over(MemoryType.DEVICE):
+            t0 = time.perf_counter()
+            moved = 0
+            with self._scope():
+                for b, _ in entries:
+                    if not self._over(MemoryType.DEVICE):
+                        break
+                    moved += b.spill(self.resource)
+            with self._lock:
+                self.statistics["bytes_spilled"] += moved
+                self.statistics["seconds_spill"] += time.perf_counter() - t0
+        if not self._over(MemoryType.HOST):
             return
         t0 = time.perf_counter()
-        with self._lock:
-            buffers = [o.buffer for o in self._outbox if o.buffer is not None]
-            buffers += [i.buffer for i in self._incoming]
-        moved = 0
-        with self._scope():
-            for b in buffers:
-                if self.resource.available(MemoryType.DEVICE) >= 0:  # type: ignore[operator]
+        written = 0
+        try:
+            for b, pieces in entries:
+                if not self._over(MemoryType.HOST):
                     break
-                moved += b.spill(self.resource)
+                if b.on_device or b.disk is not None:
+                    continue
+                if pieces is None:
+                    written += b.spill_to_disk(
+                        self.resource, self._spill_out, [(next(self._outbox_keys), 0, int(b.data.nbytes))]
+                    )
+                else:
+                    segments = [(pid, off, off + nbytes) for pid, off, nbytes, _, _ in pieces]
+                    written += b.spill_to_disk(self.resource, self._spill_in, segments)
+        finally:
+            with self._lock:
+                self.statistics["bytes_spilled_disk"] += written
+                self.statistics["seconds_spill_disk"] += time.perf_counter() - t0
+
+    def _load(self, buffer: _Buffer) -> None:
+        """Read an outbox buffer that is on disk back into host memory, for its round.
+
+        Raises
+        ------
+        ShuffleError
+            If the run was freed meanwhile, or (a :class:`SpillError`) the
+            file cannot be read; the run is failed then.
+        """
+        if buffer.disk is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._spill_lock:
+                if self._freed:
+                    self._raise_if_failed()
+                    raise ShuffleError(f"device shuffle op {self.op_id} was closed during its exchange")
+                nbytes = buffer.load(self.resource, self._spill_out)
+        except SpillError as e:
+            self.fail(e)
+            raise
         with self._lock:
-            self.statistics["bytes_spilled"] += moved
-            self.statistics["seconds_spill"] += time.perf_counter() - t0
+            self.statistics["bytes_unspilled_disk"] += nbytes
+            self.statistics["seconds_unspill_disk"] += time.perf_counter() - t0
 
     # -- barrier -------------------------------------------------------------
     def barrier(self, npartitions: int, timeout: float) -> None:
@@ -528,6 +688,7 @@ class DeviceRun:
             got: list[_Incoming] = []
             out = outbox[k] if k < len(outbox) else None
             if out is not None and out.buffer is not None:
+                self._load(out.buffer)
                 data = out.buffer.data
                 for dest, (start, end, pieces) in out.ranges.items():
                     part = data[start:end]
@@ -553,10 +714,13 @@ class DeviceRun:
                 transport.exchange(sends, recvs)
             del sends, recvs
             if out is not None and out.buffer is not None:
-                out.buffer.reservation.release()
+                out.buffer.release()
                 out.buffer = None
             with self._lock:
-                self._incoming.extend(got)
+                if self._freed:  # the run failed meanwhile; nothing else would release these
+                    for g in got:
+                        g.buffer.release()
+                self._incoming.extend(got if not self._freed else [])
                 self.statistics["bytes_received"] += sum(int(g.buffer.data.nbytes) for g in got)
                 self.statistics["rounds"] += 1
                 self.statistics["seconds_exchange"] += time.perf_counter() - tr
@@ -572,14 +736,17 @@ class DeviceRun:
         """Pieces of output partition ``partition_id``, ordered by input partition.
 
         Waits for this rank's exchange first. Pieces are views into the
-        received buffers (device, or host where spilled). After the rank's
-        last owned partition the run's state is freed.
+        received buffers (device, or host where spilled), or slices of the
+        partition's spill file, read into host memory once by this call (and
+        deleted). After the rank's last owned partition the run's state is freed.
 
         Raises
         ------
         ShuffleError
             If the run failed, the exchange did not end within ``timeout``
-            seconds, or the partition is not owned here or was already extracted.
+            seconds, or the partition is not owned here or was already
+            extracted; a :class:`SpillError` if its spill file cannot be read
+            (the run is failed then).
         """
         t0 = time.perf_counter()
         if not self._exchanged.wait(timeout):
@@ -601,12 +768,11 @@ class DeviceRun:
                 )
             self._extracted.add(partition_id)
             last = self._extracted == self._owned
-            found = []
-            for inc in self._incoming:
-                for pid, off, nbytes, nrows, meta in inc.pieces:
-                    if pid == partition_id:
-                        view = inc.buffer.data[off : off + nbytes]
-                        found.append(((inc.input_index, inc.src), PackedData(meta, view, nrows)))
+            hits = [
+                (inc, i) for inc in self._incoming
+                for i, piece in enumerate(inc.pieces) if piece[0] == partition_id
+            ]
+        found = self._pieces_of(partition_id, hits)
         found.sort(key=lambda x: x[0])
         with self._lock:
             self.statistics["seconds_wait"] += t1 - t0
@@ -614,6 +780,54 @@ class DeviceRun:
         if last:
             self.close()
         return [p for _, p in found]
+
+    def _pieces_of(
+        self, partition_id: int, hits: list[tuple[_Incoming, int]]
+    ) -> list[tuple[tuple[int, int], PackedData]]:
+        """The pieces ``(input partition, source rank), PackedData`` of ``hits`` (received, piece index).
+
+        Pieces on disk are all in the partition's one spill file: it is read
+        (and deleted) once, at the first of them, and their ``DISK``
+        reservations are released.
+        """
+        file: Any = None
+        found = []
+        unspilled = 0
+        for inc, i in hits:
+            _, off, nbytes, nrows, meta = inc.pieces[i]
+            disk = inc.buffer.disk
+            if disk is None:
+                view = inc.buffer.data[off : off + nbytes]
+            else:
+                if file is None:
+                    file = self._read_partition(partition_id)
+                _, foff, fbytes, res = disk[i]
+                if len(file) < foff + fbytes:
+                    self._raise_if_failed()
+                    raise SpillError(
+                        f"spill file of output partition {partition_id} in {self._spill_in.path} "
+                        f"is missing or short ({len(file)} bytes, the piece ends at {foff + fbytes})"
+                    )
+                view = file[foff : foff + fbytes]
+                res.release()
+                unspilled += fbytes
+            found.append(((inc.input_index, inc.src), PackedData(meta, view, nrows)))
+        if unspilled:
+            with self._lock:
+                self.statistics["bytes_unspilled_disk"] += unspilled
+        return found
+
+    def _read_partition(self, partition_id: int) -> Any:
+        t0 = time.perf_counter()
+        try:
+            view = self._spill_in.read(partition_id)
+        except SpillError as e:
+            self.fail(e)
+            raise
+        file = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, dtype=np.uint8)
+        with self._lock:
+            self.statistics["seconds_unspill_disk"] += time.perf_counter() - t0
+        return file
 
     # -- failure and cleanup -------------------------------------------------
     def fail(self, error: BaseException) -> None:
@@ -633,12 +847,16 @@ class DeviceRun:
             raise ShuffleError(f"device shuffle op {self.op_id} failed on rank {self.comm.rank}: {err}") from err
 
     def _free(self) -> None:
-        with self._lock:
+        # The spill lock waits for a spill pass in flight, so none moves a freed buffer.
+        with self._spill_lock, self._lock:
+            self._freed = True
             buffers = [o.buffer for o in self._outbox if o.buffer is not None]
             buffers += [i.buffer for i in self._incoming]
             self._outbox, self._incoming = [], []
         for b in buffers:
-            b.reservation.release()
+            b.release()
+        self._spill_out.remove()
+        self._spill_in.remove()
 
     @property
     def inputs_done(self) -> bool:

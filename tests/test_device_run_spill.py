@@ -1,0 +1,234 @@
+"""The device run's disk tier: device -> host -> disk under tiny budgets, on CPU.
+
+:class:`mpshuffle.dask.device.DeviceRun` runs on one rank with NumPy device
+tables (the host twin) and no GPU state, so these tests drive its spilling
+on any machine: buffers past the ``DEVICE`` budget go to host, past the
+``HOST`` budget to the run's spill directory, and extract reads them back.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpshuffle.comm import LocalCommunicator
+from mpshuffle.dask.device import DeviceRun
+from mpshuffle.errors import ShuffleError, SpillError
+from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.table.device import DeviceAdapter, DeviceTable
+from test_gpu_dask import _check_output, _host_table
+
+OWNER = "rank 0 (worker test)"
+NPART = 5
+# Each input table packs to ~26 kB; both budgets are far below one table.
+LIMIT = 10_000
+
+
+@pytest.fixture
+def comm() -> Iterator[LocalCommunicator]:
+    c = LocalCommunicator()
+    yield c
+    c.close()
+
+
+def _resource(spill_dir: Any, host: int | None = LIMIT) -> BufferResource:
+    return BufferResource(
+        {MemoryType.DEVICE: LIMIT, MemoryType.HOST: host},
+        spill_dir=str(spill_dir), owner=OWNER, spill_prefix="mpshuffle-g",
+    )
+
+
+def _run(comm: LocalCommunicator, resource: BufferResource, done: list[int] | None = None) -> DeviceRun:
+    run = DeviceRun(
+        comm, 7, resource=resource, state=None, key="g", timeout=10,
+        on_done=done.append if done is not None else None,
+    )
+    comm.register_handler("mpsd", run.receive)
+    return run
+
+
+def _files(root: Any) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _assert_clean(resource: BufferResource, spill_dir: Any) -> None:
+    assert os.listdir(spill_dir) == []
+    assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]
+    assert not [t for t in threading.enumerate() if t.name.startswith("mpshuffle-device")]
+
+
+def _unpack(pieces: list[Any], like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return DeviceAdapter().unpack(pieces, DeviceTable(like).empty_like()).columns
+
+
+def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommunicator, tmp_path: Any) -> None:
+    resource = _resource(tmp_path)
+    done: list[int] = []
+    run = _run(comm, resource, done)
+    inputs = [_host_table(i, 1000) for i in range(4)]
+    for i, t in enumerate(inputs):
+        run.insert(i, DeviceTable(t), ["key"], NPART)
+    # The outbox went device -> host -> disk: one whole file per buffer under outbox/.
+    stats = run.statistics
+    assert stats["bytes_spilled"] > 0 and stats["bytes_spilled_disk"] > 0
+    assert resource.used(MemoryType.DISK) == stats["bytes_spilled_disk"]
+    assert resource.used(MemoryType.DEVICE) <= LIMIT and resource.used(MemoryType.HOST) <= LIMIT
+    outbox = _files(tmp_path)
+    assert outbox and all(f.startswith(os.path.join("mpshuffle-g-op7-r0", "outbox", "part-")) for f in outbox)
+
+    run.barrier(NPART, 10)
+    assert stats["rounds"] == 4
+    # Every outbox file was read back for its round (and deleted); received
+    # pieces are on disk in one file per output partition.
+    received = _files(tmp_path)
+    assert received == [os.path.join("mpshuffle-g-op7-r0", f"part-{j}.bin") for j in range(NPART)]
+    assert resource.used(MemoryType.HOST) <= LIMIT
+
+    reads: list[int] = []
+    real_read = run._spill_in.read
+
+    def counting_read(pid: int) -> memoryview:
+        reads.append(pid)
+        return real_read(pid)
+
+    run._spill_in.read = counting_read  # type: ignore[method-assign]
+    parts = []
+    for j in range(NPART):
+        on_disk = resource.used(MemoryType.DISK)
+        pieces = run.extract(j, 10)
+        assert len(pieces) == 4  # one piece per input partition (1000 random keys each)
+        assert reads == list(range(j + 1))  # one read of partition j's file in its extract
+        parts.append(_unpack(pieces, inputs[0]))
+        if j < NPART - 1:  # (the last extract closes the run)
+            assert 0 < resource.used(MemoryType.DISK) < on_disk  # partition j's pieces left the disk
+            assert os.path.join("mpshuffle-g-op7-r0", f"part-{j}.bin") not in _files(tmp_path)
+    _check_output(parts, inputs, NPART)
+    assert stats["bytes_unspilled_disk"] == stats["bytes_spilled_disk"]
+    assert stats["seconds_spill_disk"] > 0 and stats["seconds_unspill_disk"] > 0
+    assert done == [7] and run.closed
+    _assert_clean(resource, tmp_path)
+
+
+def test_fail_removes_spill_files_before_and_after_the_exchange(comm: LocalCommunicator, tmp_path: Any) -> None:
+    inputs = [_host_table(i, 1000) for i in range(3)]
+    for at_barrier in (False, True):
+        resource = _resource(tmp_path)
+        run = _run(comm, resource)
+        for i, t in enumerate(inputs):
+            run.insert(i, DeviceTable(t), ["key"], NPART)
+        if at_barrier:
+            run.barrier(NPART, 10)
+            run.extract(0, 10)  # one partition read back; the others still on disk
+        assert _files(tmp_path) and resource.used(MemoryType.DISK) > 0
+        run.fail(ShuffleError("released by the test"))
+        with pytest.raises(ShuffleError, match="released by the test"):
+            run.extract(1, 10)
+        run.close()
+        _assert_clean(resource, tmp_path)
+
+
+def test_worker_context_gives_the_device_run_its_spill_directory(tmp_path: Any) -> None:
+    from mpshuffle.config import resolve_options
+    from mpshuffle.dask.context import WorkerContext
+
+    options = resolve_options(comm="local", spill_host=LIMIT, spill_dir=str(tmp_path))
+    ctx = WorkerContext(LocalCommunicator(), "gen1", options, workers=("w0",))
+    try:
+        if ctx.device is None:  # a CPU machine: give the host twin a device budget to spill past
+            ctx.resource.limits[MemoryType.DEVICE] = LIMIT
+        run = ctx.shuffler(4, device=True)
+        for i in range(3):
+            run.insert(i, DeviceTable(_host_table(i, 1000)), ["key"], NPART)
+        assert run.statistics["bytes_spilled_disk"] > 0
+        assert os.listdir(tmp_path) == ["mpshuffle-gen1-op4-r0"]
+        assert ctx.resource.owner == "rank 0 (worker w0)"
+    finally:
+        ctx.close()  # the worker plugin's teardown: runs still open are failed and freed
+    assert os.listdir(tmp_path) == [] and ctx.shufflers == {} and run.closed
+    assert [ctx.resource.used(mt) for mt in MemoryType] == [0, 0, 0]
+
+
+def _disk_full_after(monkeypatch: pytest.MonkeyPatch, ok_writes: int) -> dict[str, int]:
+    from mpshuffle.memory import spill as spill_module
+
+    real = spill_module._write_all
+    calls = {"n": 0}
+
+    def fills_up(f: Any, view: memoryview) -> None:
+        calls["n"] += 1
+        if calls["n"] > ok_writes:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, view)
+
+    monkeypatch.setattr(spill_module, "_write_all", fills_up)
+    return calls
+
+
+def _check_disk_full(msg: str, tmp_path: Any) -> None:
+    assert "disk is full" in msg
+    assert os.path.join(str(tmp_path), "mpshuffle-g-op7-r0") in msg
+    assert OWNER in msg and "spill_dir" in msg
+
+
+def test_disk_full_in_insert_fails_the_run_cleanly(
+    comm: LocalCommunicator, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _disk_full_after(monkeypatch, ok_writes=1)
+    resource = _resource(tmp_path)
+    run = _run(comm, resource)
+    inputs = [_host_table(i, 1000) for i in range(4)]
+    with pytest.raises(SpillError) as info:
+        for i, t in enumerate(inputs):
+            run.insert(i, DeviceTable(t), ["key"], NPART)
+    _check_disk_full(str(info.value), tmp_path)
+    assert calls["n"] == 2
+    # The run failed: its buffers and files are gone, and every later call says why.
+    assert os.listdir(tmp_path) == []
+    assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]
+    with pytest.raises(SpillError, match="disk is full"):
+        run.insert(9, DeviceTable(inputs[0]), ["key"], NPART)
+    with pytest.raises(SpillError, match="disk is full"):
+        run.barrier(NPART, 10)
+    run.close()
+    _assert_clean(resource, tmp_path)
+
+    # Nothing else was lost: the next run on the same resource, with a working disk, is whole.
+    monkeypatch.undo()
+    run2 = DeviceRun(comm, 8, resource=resource, state=None, key="g", timeout=10)
+    comm.register_handler("mpsd", run2.receive)
+    for i, t in enumerate(inputs):
+        run2.insert(i, DeviceTable(t), ["key"], NPART)
+    run2.barrier(NPART, 10)
+    parts = [_unpack(run2.extract(j, 10), inputs[0]) for j in range(NPART)]
+    _check_output(parts, inputs, NPART)
+    assert run2.statistics["bytes_spilled_disk"] > 0
+    _assert_clean(resource, tmp_path)
+
+
+def test_disk_full_in_the_exchange_fails_the_barrier_and_extract(
+    comm: LocalCommunicator, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No host budget while inserting: the outbox stays in host memory, and the
+    # received buffers hit the (full) disk during the exchange.
+    resource = _resource(tmp_path, host=None)
+    run = _run(comm, resource)
+    inputs = [_host_table(i, 1000) for i in range(3)]
+    for i, t in enumerate(inputs):
+        run.insert(i, DeviceTable(t), ["key"], NPART)
+    assert run.statistics["bytes_spilled_disk"] == 0 and resource.used(MemoryType.HOST) > LIMIT
+    resource.limits[MemoryType.HOST] = LIMIT
+    calls = _disk_full_after(monkeypatch, ok_writes=2)  # part of one buffer's pieces get written
+    with pytest.raises(ShuffleError) as info:
+        run.barrier(NPART, 10)
+    _check_disk_full(str(info.value), tmp_path)
+    assert calls["n"] == 3
+    with pytest.raises(ShuffleError, match="disk is full"):
+        run.extract(0, 10)
+    run.close()
+    _assert_clean(resource, tmp_path)
