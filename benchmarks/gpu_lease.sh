@@ -20,7 +20,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     setup) bash "$ANCHOR/setup.sh" > "$OUT/setup.log" 2>&1; echo "setup rc=$?"; tail -40 "$OUT/setup.log" ;;
-    tests) (env_on && set -o pipefail && python3 -m pytest -p no:cacheprovider -o timeout=300 -v -rs \
+    tests) (env_on && set -o pipefail && timeout 300 python3 -m pytest -p no:cacheprovider -o timeout=300 -v -rs \
              tests/test_gpu.py tests/test_gpu_dask.py tests/test_gpu_cuda_cluster.py \
              $(ls tests/test_device_run_spill.py 2>/dev/null) 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60) ;;
     peer) (env_on && timeout 560 python3 benchmarks/gpu_peer_bench.py --out "$OUT" ${PEER_ARGS:-} 2>&1 \

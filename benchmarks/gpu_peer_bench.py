@@ -60,7 +60,7 @@ def part_summary(df: Any) -> Any:
     import cudf
 
     return cudf.DataFrame({
-        "rows": [len(df)], "nunique": [int(df["key"].nunique())], "asum": [float(df["a"].sum())],
+        "rows": [len(df)], "nuniq": [int(df["key"].nunique())], "asum": [float(df["a"].sum())],
     })
 
 
@@ -69,12 +69,12 @@ def summarize(ddf: Any) -> dict[str, Any]:
     import cudf
 
     meta = cudf.DataFrame({
-        "rows": cudf.Series([], dtype="int64"), "nunique": cudf.Series([], dtype="int64"),
+        "rows": cudf.Series([], dtype="int64"), "nuniq": cudf.Series([], dtype="int64"),
         "asum": cudf.Series([], dtype="float64"),
     })
     s = ddf.map_partitions(part_summary, meta=meta).compute().to_pandas()
-    return {"rows": int(s.rows.sum()), "sum_nunique": int(s.nunique.sum()), "asum": float(s.asum.sum()),
-            "empty": int((s.rows == 0).sum()), "nparts": len(s)}
+    return {"rows": int(s.rows.sum()), "sum_nunique": int(s.nuniq.sum()), "asum": float(s.asum.sum()),
+            "empty": int((s.rows == 0).sum()), "partitions": len(s)}
 
 
 def mpshuffle_stats(dask_worker: Any) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def main() -> None:
     out_path = os.path.join(args.out, "peer_results.jsonl")
 
     def result(**kw: Any) -> None:
-        line = json.dumps(kw)
+        line = json.dumps(kw, default=str)
         print("RESULT", line, flush=True)
         with open(out_path, "a") as f:
             f.write(line + "\n")

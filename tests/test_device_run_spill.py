@@ -140,8 +140,8 @@ def test_worker_context_gives_the_device_run_its_spill_directory(tmp_path: Any) 
     options = resolve_options(comm="local", spill_host=LIMIT, spill_dir=str(tmp_path))
     ctx = WorkerContext(LocalCommunicator(), "gen1", options, workers=("w0",))
     try:
-        if ctx.device is None:  # a CPU machine: give the host twin a device budget to spill past
-            ctx.resource.limits[MemoryType.DEVICE] = LIMIT
+        # A tiny device budget, on CPU machines (the host twin) and GPU ones alike.
+        ctx.resource.limits[MemoryType.DEVICE] = LIMIT
         run = ctx.shuffler(4, device=True)
         for i in range(3):
             run.insert(i, DeviceTable(_host_table(i, 1000)), ["key"], NPART)
@@ -201,7 +201,8 @@ def test_disk_full_in_insert_fails_the_run_cleanly(
     # Nothing else was lost: the next run on the same resource, with a working disk, is whole.
     monkeypatch.undo()
     run2 = DeviceRun(comm, 8, resource=resource, state=None, key="g", timeout=10)
-    comm.register_handler("mpsd", run2.receive)
+    # Messages go to their run by op id, as the worker context routes them.
+    comm.register_handler("mpsd", lambda src, tag, frames: run2.receive(src, tag, frames) if tag[1] == 8 else None)
     for i, t in enumerate(inputs):
         run2.insert(i, DeviceTable(t), ["key"], NPART)
     run2.barrier(NPART, 10)

@@ -207,7 +207,7 @@ def test_cudf_adapter_round_trip() -> None:
     from mpshuffle.table.cudf import CudfAdapter
 
     df = _frame(2000).drop(columns=["f64"])
-    gdf = cudf.DataFrame.from_pandas(df)
+    gdf = cudf.from_pandas(df)
     assert register_device_adapter()
     adapter = get_adapter(gdf)
     assert isinstance(adapter, CudfAdapter)

@@ -160,9 +160,11 @@ class DeviceState:
 def setup_device(options: Options, rank: int) -> DeviceState | None:
     """Pick this rank's GPU, reserve the pool and size the device budget.
 
-    The device is ``rank % ndevices`` among the visible ones; a worker
-    pinned to one GPU (``CUDA_VISIBLE_DEVICES``, as dask-cuda does) sees one
-    and uses it. Registers the device frame adapter.
+    Where ``CUDA_VISIBLE_DEVICES`` is set, the device is the first one it
+    lists (dask-cuda's LocalCUDACluster gives worker ``i`` the list rotated to
+    start at GPU ``i``; a worker pinned to one GPU sees only that one);
+    otherwise ``rank % ndevices`` among the visible ones. Registers the device
+    frame adapter.
 
     Parameters
     ----------
@@ -195,7 +197,10 @@ def setup_device(options: Options, rank: int) -> DeviceState | None:
     from mpshuffle.table.device import register_device_adapter
 
     register_device_adapter()
-    device = rank % ndev
+    # A worker given its GPUs in CUDA_VISIBLE_DEVICES uses the first one listed
+    # (dask-cuda lists the worker's own GPU first, then the others); a worker
+    # that sees every GPU of the machine takes one by rank.
+    device = 0 if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() else rank % ndev
     with cupy.cuda.Device(device):
         pool = reserve_device_pool(options.pool_size) if options.pool_size else 0
         budget = device_budget(options.spill_device)
@@ -585,6 +590,9 @@ class DeviceRun:
             With a rank's exchange error, or naming the ranks that did not
             finish within ``timeout`` seconds.
         """
+        # A run that already failed here starts no exchange anywhere: peers
+        # would otherwise wait in NCCL for this rank.
+        self._raise_if_failed()
         info = msgpack.packb({"npartitions": npartitions})
         for dest in range(self.comm.nranks):
             self.comm.send_nowait(dest, (DEVICE_TAG, self.op_id, "inputs-done"), [info])
