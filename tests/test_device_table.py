@@ -81,3 +81,25 @@ def test_device_table_rejects_bad_columns() -> None:
         DeviceTable({"a": np.array(["x"], dtype=object)})
     with pytest.raises(TypeError, match="names must be str"):
         DeviceTable({1: np.zeros(2)})
+
+
+def test_pack_sorted_rank_major_with_empty_partitions() -> None:
+    from mpshuffle.table.device import pack_sorted, rank_major_pids
+
+    df = _frame(100)  # 40 partitions for 100 rows: many are empty
+    t = DeviceTable.from_pandas(df, device=False)
+    ids = partition_ids(df[["a"]], 40)
+    order, counts = partition_order(ids, 40, nranks=3)
+    pieces = pack_sorted(t, order, counts, rank_major_pids(40, 3))
+    assert sorted(pieces) == sorted(set(ids.tolist()))
+    for pid, piece in pieces.items():
+        got = unpack_piece(piece).to_pandas()
+        pd.testing.assert_frame_equal(got, df[ids == pid].reset_index(drop=True))  # values, dtypes, order
+    # One buffer; pieces laid out rank-major (rank 0's partitions first), each 64-byte aligned.
+    base = next(iter(pieces.values())).data.base
+    starts = {pid: p.data.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+              for pid, p in pieces.items()}
+    assert all(p.data.base is base for p in pieces.values())
+    assert all(s % 64 == 0 for s in starts.values())
+    laid_out = sorted(starts, key=starts.__getitem__)
+    assert laid_out == [p for p in rank_major_pids(40, 3) if p in pieces]

@@ -420,22 +420,57 @@ def pack_sorted(
         row += n
         total = _align(total)
     buf = xp.empty(total, dtype=np.uint8)
-    out: dict[int, PackedData] = {}
     names = frame.names
     dtypes = [frame.columns[k].dtype.str for k in names]
+    # Piece starts in the buffer (layout order), from the same running sum.
+    starts = []
     piece_start = 0
-    for pid, r0, n, offs in layout:
-        idx = order[r0 : r0 + n]
-        size = 0
-        for (name, col), off in zip(frame.columns.items(), offs, strict=True):
-            nb = n * col.dtype.itemsize
-            dst = buf[piece_start + off : piece_start + off + nb].view(col.dtype)
-            xp.take(col, idx, out=dst)
-            size = off + _align(nb)
-        meta = json.dumps({"format": _FORMAT, "names": names, "dtypes": dtypes, "offsets": offs})
-        out[pid] = PackedData(metadata=meta.encode(), data=buf[piece_start : piece_start + size], nrows=n)
+    for _pid, _r0, n, offs in layout:
+        starts.append(piece_start)
+        size = offs[-1] + _align(n * frame.columns[names[-1]].dtype.itemsize)
         piece_start = _align(piece_start + size)
+    if layout and all(_ALIGN % frame.columns[k].dtype.itemsize == 0 for k in names):
+        _scatter_columns(frame, order, layout, starts, buf)
+    else:
+        for (_pid, r0, n, offs), start in zip(layout, starts, strict=True):
+            idx = order[r0 : r0 + n]
+            for (_name, col), off in zip(frame.columns.items(), offs, strict=True):
+                dst = buf[start + off : start + off + n * col.dtype.itemsize].view(col.dtype)
+                xp.take(col, idx, out=dst)
+    out: dict[int, PackedData] = {}
+    for (pid, _r0, n, offs), start in zip(layout, starts, strict=True):
+        size = offs[-1] + _align(n * frame.columns[names[-1]].dtype.itemsize)
+        meta = json.dumps({"format": _FORMAT, "names": names, "dtypes": dtypes, "offsets": offs})
+        out[pid] = PackedData(metadata=meta.encode(), data=buf[start : start + size], nrows=n)
     return out
+
+
+def _scatter_columns(
+    frame: DeviceTable, order: Any, layout: list[tuple[int, int, int, list[int]]],
+    starts: list[int], buf: Any,
+) -> None:
+    """Fill every piece's column blocks with a few array operations per column.
+
+    Sorted row ``i`` lies in piece ``k`` (rows ``r0_k .. r0_k + n_k``); its
+    value of column ``c`` goes to element ``(start_k + off_kc) / itemsize_c +
+    (i - r0_k)`` of the buffer viewed as ``c``'s dtype (blocks are aligned to
+    ``_ALIGN``, a multiple of every itemsize). One gather and one scatter per
+    column, instead of one copy per piece and column: the number of kernel
+    launches no longer grows with the number of output partitions.
+    """
+    xp = frame.xp
+    nrows_sorted = int(order.shape[0])
+    r0 = np.array([r for _, r, _, _ in layout], dtype=np.int64)
+    row = xp.arange(nrows_sorted, dtype=np.int64)
+    # Piece of each sorted row: pieces hold consecutive row ranges starting at r0.
+    piece_of_row = xp.searchsorted(xp.asarray(r0[1:]), row, side="right")
+    for c, col in enumerate(frame.columns.values()):
+        item = col.dtype.itemsize
+        first = np.array([(st + offs[c]) // item for st, (_, _, _, offs) in zip(starts, layout, strict=True)],
+                         dtype=np.int64)
+        dest = xp.asarray(first - r0)[piece_of_row]
+        dest += row
+        buf.view(col.dtype)[dest] = xp.take(col, order)
 
 
 def unpack_piece(piece: PackedData) -> DeviceTable:
@@ -478,19 +513,17 @@ def concat_tables(tables: Sequence[DeviceTable], meta: DeviceTable) -> DeviceTab
         return tables[0]
     cols = {}
     for name, dtype in meta.dtypes.items():
-        for t in tables:
-            if not np.can_cast(t.columns[name].dtype, dtype, casting="safe"):
-                raise ShuffleError(
-                    f"column {name!r}: cannot cast {t.columns[name].dtype} to {dtype} losslessly"
-                )
-        total = sum(t.nrows for t in tables)
-        out = xp.empty(total, dtype=dtype)
-        pos = 0
+        parts = []
         for t in tables:
             src = t.columns[name]
-            out[pos : pos + t.nrows] = xp.asarray(src)
-            pos += t.nrows
-        cols[name] = out
+            if not np.can_cast(src.dtype, dtype, casting="safe"):
+                raise ShuffleError(
+                    f"column {name!r}: cannot cast {src.dtype} to {dtype} losslessly"
+                )
+            src = xp.asarray(src)  # a spilled (host) piece goes back to the device
+            parts.append(src if src.dtype == dtype else src.astype(dtype))
+        # One concatenation per column (CuPy copies many pieces in one kernel).
+        cols[name] = xp.concatenate(parts) if parts else xp.empty(0, dtype=dtype)
     return DeviceTable(cols)
 
 
