@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -87,14 +88,75 @@ def shuffle(
     keep_index = not ignore_index
     if ignore_index:
         meta = meta.reset_index(drop=True)
-    input_keys = df.__dask_keys__()
+    graph = dict(df.__dask_graph__())
+    input_keys = _skip_aliases(graph, df.__dask_keys__())
     token = tokenize(df._name, on, npartitions, keep_index)
     layer, keys = shuffle_graph(
         input_keys, on=on, npartitions=npartitions, meta=meta, keep_index=keep_index, token=token
     )
-    graph = dict(df.__dask_graph__())
     graph.update(layer)
-    return dd.from_graph(graph, meta, (None,) * (npartitions + 1), keys, "mpshuffle")
+    return _collection(graph, meta, npartitions, keys)
+
+
+def _collection(graph: dict[Any, Any], meta: Any, npartitions: int, keys: list[Any]) -> dd.DataFrame:
+    """The dask DataFrame whose partitions are the extract tasks ``keys``.
+
+    ``dd.from_graph`` renames the keys and adds one alias task per partition;
+    the expression below keeps the extract keys as the collection's own, so
+    the scheduler runs no task beyond the shuffle's.
+    """
+    divisions = (None,) * (npartitions + 1)
+    if _ShuffleOutput is None:  # a dask without dask-expr's FromGraph
+        return dd.from_graph(graph, meta, divisions, keys, "mpshuffle")
+    from dask._collections import new_collection
+
+    return new_collection(_ShuffleOutput(graph, meta, divisions, keys, keys[0][0]))
+
+
+try:
+    from dask.dataframe.dask_expr.io.io import FromGraph as _FromGraph
+except ImportError:  # pragma: no cover - older dask
+    _ShuffleOutput = None
+else:
+
+    class _ShuffleOutput(_FromGraph):  # type: ignore[no-redef]
+        """A graph collection named like its partitions' keys (the extract keys)."""
+
+        @functools.cached_property
+        def _name(self) -> str:
+            return self.operand("name_prefix")
+
+        def _layer(self) -> dict[Any, Any]:
+            return dict(self.operand("layer"))
+
+
+def _skip_aliases(graph: dict[Any, Any], keys: list[Any]) -> list[Any]:
+    """Input keys with pure aliases replaced by their targets; unused aliases leave ``graph``.
+
+    A persisted collection, once optimized, gets a new name whose tasks only
+    alias the persisted keys: one extra task per partition for the scheduler
+    and the workers to run before each insert. The inserts take the persisted
+    keys instead.
+    """
+    try:
+        from dask._task_spec import Alias
+    except ImportError:  # an older dask: keep the aliases
+        return keys
+    resolved = []
+    for key in keys:
+        target, task, hops = key, graph.get(key), 0
+        while isinstance(task, Alias) and task.target in graph and hops < 64:
+            target, task, hops = task.target, graph.get(task.target), hops + 1
+        resolved.append(target)
+    dropped = {k for k, r in zip(keys, resolved, strict=True) if k != r}
+    if dropped:
+        used = set()
+        for k, task in graph.items():
+            if k not in dropped:
+                used.update(getattr(task, "dependencies", ()) or ())
+        for k in dropped - used:
+            del graph[k]
+    return resolved
 
 
 def _warm_up() -> None:
