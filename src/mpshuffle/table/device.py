@@ -516,6 +516,9 @@ def concat_tables(tables: Sequence[DeviceTable], meta: DeviceTable) -> DeviceTab
         parts = []
         for t in tables:
             src = t.columns[name]
+            if type(src) is xp.ndarray and src.dtype == dtype:  # the common case, cheaply
+                parts.append(src)
+                continue
             if not np.can_cast(src.dtype, dtype, casting="safe"):
                 raise ShuffleError(
                     f"column {name!r}: cannot cast {src.dtype} to {dtype} losslessly"
