@@ -6,6 +6,7 @@ test also needs two devices.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -215,5 +216,11 @@ def test_cudf_adapter_round_trip() -> None:
     expected = partition_ids(df[["i64"]], 5)
     for pid, piece in pieces.items():
         assert isinstance(piece.data, cupy.ndarray)
-        got = adapter.unpack([piece], gdf.iloc[:0]).to_pandas()
-        pd.testing.assert_frame_equal(got, df[expected == pid].reset_index(drop=True))
+        got = adapter.unpack([piece, piece], gdf.iloc[:0])  # a new buffer (two pieces concatenated)
+        assert list(got.columns) == list(df.columns)
+        # The frame must keep its memory alive: free what can be freed, overwrite the pool.
+        gc.collect()
+        junk = cupy.full(64 * 2**20, 255, dtype=cupy.uint8)
+        want = df[expected == pid].reset_index(drop=True)
+        pd.testing.assert_frame_equal(got.to_pandas(), pd.concat([want, want], ignore_index=True))
+        del junk
