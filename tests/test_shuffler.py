@@ -33,3 +33,25 @@ def test_only_the_accepted_attempt_of_an_input_counts(shuffler: Shuffler) -> Non
     out = adapter.unpack(shuffler.extract(0, 5), part0.iloc[:0])
     assert out["v"].tolist() == [10, 20, 30, 40, 50]
     assert shuffler.closed
+
+
+def test_send_after_close_fails_cleanly() -> None:
+    import gc
+    import warnings
+
+    from mpshuffle.errors import CommError
+
+    comm = LocalCommunicator()
+    got: list[object] = []
+    comm.register_handler("t", lambda src, tag, frames: got.append(tag))
+    comm.send_nowait(0, ("t", 1), [b"x"]).result(5)
+    assert got == [("t", 1)]
+    comm.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fut = comm.send_nowait(0, ("t", 2), [b"y"])
+        with pytest.raises(CommError, match="communicator is closed"):
+            fut.result(1)
+        gc.collect()
+    assert got == [("t", 1)]  # nothing delivered after close
+    assert not [w for w in caught if "never awaited" in str(w.message)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -201,11 +202,21 @@ class Communicator(abc.ABC):
         """Start sending and return a :class:`concurrent.futures.Future` at once.
 
         Messages to the same ``dest`` started from one thread are delivered in
-        the order they were started.
+        the order they were started. After :meth:`close` the future holds a
+        :class:`CommError` (nothing is left scheduled on a closed loop).
         """
-        return asyncio.run_coroutine_threadsafe(
-            self._send_checked(dest, tag, list(frames)), self.loop
-        )
+        coro = self._send_checked(dest, tag, list(frames))
+        try:
+            if self.loop.is_closed():
+                raise RuntimeError("event loop is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError as e:  # the progress thread's loop is gone
+            coro.close()
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            fut.set_exception(CommError(
+                f"rank {self.rank}: cannot send {tag!r} to rank {dest}: the communicator is closed ({e})"
+            ))
+            return fut
 
     async def _send_checked(self, dest: int, tag: Tag, frames: Frames) -> None:
         if not 0 <= dest < self.nranks:
