@@ -64,7 +64,8 @@ def main() -> None:
     from distributed import Client, Nanny, Scheduler, SpecCluster, wait
 
     from mpshuffle.dask import bootstrap_dask_cluster, shuffle_graph
-    from mpshuffle.table.device import DeviceTable, register_device_adapter
+    from mpshuffle.table.device import DeviceTable
+    from mpshuffle.table.gpu import register_device_adapter
 
     register_device_adapter()
     ngpu = cp.cuda.runtime.getDeviceCount()

@@ -24,12 +24,8 @@ pytestmark = pytest.mark.skipif(_NDEV < 1, reason="no CUDA device")
 
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.table import get_adapter
-from mpshuffle.table.device import (
-    DeviceAdapter,
-    DeviceTable,
-    register_device_adapter,
-    unpack_piece,
-)
+from mpshuffle.table.device import DeviceAdapter, DeviceTable, unpack_piece
+from mpshuffle.table.gpu import register_device_adapter
 from mpshuffle.table.hashing import partition_ids
 
 HERE = os.path.dirname(__file__)

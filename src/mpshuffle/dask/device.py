@@ -194,7 +194,7 @@ def setup_device(options: Options, rank: int) -> DeviceState | None:
     if ndev < 1:
         return None
     from mpshuffle.memory.device import device_budget, reserve_device_pool
-    from mpshuffle.table.device import register_device_adapter
+    from mpshuffle.table.gpu import register_device_adapter
 
     register_device_adapter()
     # A worker given its GPUs in CUDA_VISIBLE_DEVICES uses the first one listed

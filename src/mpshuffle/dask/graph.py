@@ -32,7 +32,8 @@ from mpshuffle.errors import ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns
 from mpshuffle.table.cudf import to_device_table
-from mpshuffle.table.device import DeviceTable, register_device_adapter
+from mpshuffle.table.device import DeviceTable
+from mpshuffle.table.gpu import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 

@@ -21,9 +21,9 @@ to numeric arrays (Steele, Lea, Flood, "Fast splittable pseudorandom number
 generators", OOPSLA 2014, with the constants of Stafford's "Mix13"); columns
 combine as ``acc = acc * 0x9E3779B97F4A7C15 ^ h``.
 
-This module imports neither CuPy nor NumPy-only code at import time that
-needs a GPU; :func:`register_device_adapter` registers the adapter when CuPy
-imports.
+This module imports no CuPy at import time;
+:func:`mpshuffle.table.gpu.register_device_adapter` registers the adapter
+when CuPy imports.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.table.base import FrameAdapter, register_adapter
+from mpshuffle.table.base import FrameAdapter
 from mpshuffle.table.hashing import COMBINE_MULTIPLIER, NULL_HASH
 from mpshuffle.table.packed import PackedData
 
@@ -46,7 +46,6 @@ __all__ = [
     "array_module",
     "hash_columns",
     "partition_order",
-    "register_device_adapter",
 ]
 
 # Byte alignment of every column inside a packed piece: the widest supported
@@ -528,24 +527,3 @@ def concat_tables(tables: Sequence[DeviceTable], meta: DeviceTable) -> DeviceTab
         # One concatenation per column (CuPy copies many pieces in one kernel).
         cols[name] = xp.concatenate(parts) if parts else xp.empty(0, dtype=dtype)
     return DeviceTable(cols)
-
-
-def register_device_adapter() -> bool:
-    """Register :class:`DeviceAdapter` if CuPy imports; return whether it did.
-
-    Also registers :class:`~mpshuffle.table.cudf.CudfAdapter` when cudf
-    imports. Not called on ``import mpshuffle``, so that import never touches CUDA.
-    """
-    try:
-        import cupy  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken CUDA install raises more than ImportError
-        return False
-    register_adapter(DeviceAdapter())
-    try:
-        import cudf  # noqa: F401
-    except Exception:  # noqa: BLE001 - as above
-        return True
-    from mpshuffle.table.cudf import CudfAdapter
-
-    register_adapter(CudfAdapter())
-    return True
