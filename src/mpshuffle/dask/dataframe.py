@@ -143,19 +143,30 @@ def _skip_aliases(graph: dict[Any, Any], keys: list[Any]) -> list[Any]:
     except ImportError:  # an older dask: keep the aliases
         return keys
     resolved = []
+    chains: set[Any] = set()  # aliases passed on the way (a.partitions[...] of a persisted a)
     for key in keys:
         target, task, hops = key, graph.get(key), 0
         while isinstance(task, Alias) and task.target in graph and hops < 64:
+            chains.add(target)
             target, task, hops = task.target, graph.get(task.target), hops + 1
         resolved.append(target)
-    dropped = {k for k, r in zip(keys, resolved, strict=True) if k != r}
-    if dropped:
-        used = set()
-        for k, task in graph.items():
-            if k not in dropped:
-                used.update(getattr(task, "dependencies", ()) or ())
-        for k in dropped - used:
-            del graph[k]
+    chains.difference_update(resolved)
+    if chains:
+        from dask.core import keys_in_tasks
+
+        # keys_in_tasks reads GraphNodes and legacy tuples alike and skips
+        # values: a persisted frame is a value in the graph, and its
+        # attributes (a column named "dependencies") are no references.
+        refs: dict[Any, int] = dict.fromkeys(chains, 0)
+        for task in graph.values():
+            for k in keys_in_tasks(chains, [task]):
+                refs[k] += 1
+        unused = [k for k, n in refs.items() if n == 0]
+        while unused:  # an alias dropped may leave the alias it read unused
+            for k in keys_in_tasks(chains, [graph.pop(unused.pop())]):
+                refs[k] -= 1
+                if refs[k] == 0:
+                    unused.append(k)
     return resolved
 
 
