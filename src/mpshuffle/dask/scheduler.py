@@ -367,6 +367,33 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         self._restart(run, f"shuffle op {op_id}: {reason}", f"mpshuffle-restart-{op_id}-{time.time()}")
         return {"restarted": run.restarted}
 
+    def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), **kwargs: Any) -> None:
+        """Pin the tasks of live runs that entered the scheduler after their run was made.
+
+        A run is created by its first task (``get_run``), which pins the
+        graph's tasks present at that moment. An insert that kept running
+        after its computation was cancelled can create the run before the
+        same graph is submitted again; the new extract tasks would then run
+        anywhere and reschedule themselves in a loop. Called by the scheduler
+        before it places new tasks.
+        """
+        if not self.runs or not tasks:
+            return
+        touched = set(tasks)
+        restrictions: dict[Any, Any] = {}
+        for run in self.runs.values():
+            if run.error is not None:
+                continue
+            workers = run.generation.workers
+            for j, key in enumerate(run.extract_keys):
+                if key in touched:
+                    restrictions[key] = workers[partition_owner(j, len(workers))]
+            for key in [*run.insert_keys, run.barrier_key]:
+                if key in touched:
+                    restrictions[key] = set(workers)
+        if restrictions:
+            scheduler.set_restrictions(restrictions)
+
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish not in ("released", "forgotten", "erred") or not isinstance(key, str):
             return

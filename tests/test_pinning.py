@@ -1,0 +1,56 @@
+"""Extract tasks run on their owner rank even when their run was made before the graph came.
+
+An insert that keeps running after its computation was cancelled can bind the
+graph's token to a run (``get_run``) before the same graph is submitted again;
+``get_run`` then found no extract task to pin, and the resubmitted extract
+tasks went to whatever worker held the barrier's result, each raising
+``Reschedule`` until it landed on its owner (or, when Dask could not place the
+reschedule, waiting forever). Here the early binding is made on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+from distributed import Client, wait
+
+from mpshuffle.dask import bootstrap_dask_cluster, shuffle
+from mpshuffle.table.hashing import partition_ids
+
+
+async def _bind_early(dask_scheduler: Any, token: str, n: int, extract_name: str, barrier_name: str) -> dict:
+    return await dask_scheduler.plugins["mpshuffle"].get_run(token, n, extract_name, barrier_name)
+
+
+def _extract_moves(dask_scheduler: Any, extract_name: str) -> list[tuple[str, str]]:
+    """Transitions out of ``processing`` of the extract tasks other than to memory (reschedules)."""
+    return [
+        (str(t[0]), t[2]) for t in dask_scheduler.transition_log
+        if isinstance(t[0], tuple) and t[0][0] == extract_name and t[1] == "processing" and t[2] != "memory"
+    ]
+
+
+def test_extracts_of_a_run_made_before_its_graph_are_pinned(client: Client) -> None:
+    bootstrap_dask_cluster(client)
+    pdf = pd.DataFrame({"k": np.arange(4000) % 97, "v": np.arange(4000)})
+    a = dd.from_pandas(pdf, npartitions=8).persist()
+    wait(a)
+    nout = 6
+    out = shuffle(a, "k", npartitions=nout, ignore_index=True)
+    extract_name = out._name
+    token = extract_name.removeprefix("mpshuffle-extract-")
+    run = client.run_on_scheduler(
+        _bind_early, token=token, n=nout, extract_name=extract_name, barrier_name=f"mpshuffle-barrier-{token}"
+    )
+    parts = client.compute(out.to_delayed(), sync=True)
+    # Every extract ran once, on its owner: none was rescheduled.
+    assert client.run_on_scheduler(_extract_moves, extract_name=extract_name) == []
+    assert len(run["workers"]) == 2
+    got = pd.concat(parts, ignore_index=True).sort_values("v", ignore_index=True)
+    pd.testing.assert_frame_equal(got, pdf)
+    for j, part in enumerate(parts):
+        if len(part):
+            assert set(partition_ids(part[["k"]], nout).tolist()) == {j}
