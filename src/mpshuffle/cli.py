@@ -42,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="TPC-H scale factor (default 0.5: 3M rows, about 1 minute on 2 cores)")
     demo.add_argument("--workers", type=int, default=None, help="workers (default: one per core, at least 2)")
     demo.add_argument("--partitions", type=int, default=None, help="output partitions (default: as many as input)")
-    demo.add_argument("--data-dir", default=None, help="where to write the generated data (default: a temporary dir)")
+    demo.add_argument("--data-dir", default=None,
+                      help="where to write the generated data (default: a temporary dir, deleted after); "
+                           "lineitem and orders that an earlier run left there are deleted and generated anew")
     demo.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
     sub.add_parser("info", help="print versions and available backends")
     from mpshuffle import bench

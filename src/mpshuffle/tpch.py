@@ -24,12 +24,16 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 
-__all__ = ["CUTOFF", "compare", "generate", "load_parquet", "q_join", "q_join_duckdb", "read_tables"]
+__all__ = ["CUTOFF", "TABLES", "compare", "generate", "load_parquet", "q_join", "q_join_duckdb", "read_tables"]
 
 #: The date that splits orders from shipments (Q3's substitution parameter default).
 CUTOFF = datetime.date(1995, 3, 15)
 
 _GROUP = ["l_orderkey", "o_orderdate", "o_shippriority"]
+
+
+#: The tables that ``tpchgen-cli`` writes (TPC-H specification 1.4).
+TABLES = ("region", "nation", "supplier", "customer", "part", "partsupp", "orders", "lineitem")
 
 
 def generate(
@@ -40,6 +44,13 @@ def generate(
 ) -> Path:
     """Write TPC-H tables (by default ``lineitem`` and ``orders``) as parquet with ``tpchgen-cli``.
 
+    Whatever an earlier call left in ``out_dir`` for the same tables
+    (``out_dir/<table>/`` and ``out_dir/<table>.parquet``) is deleted first,
+    so afterwards ``out_dir`` holds exactly this call's files of those tables:
+    ``tpchgen-cli`` skips files that exist, and a reused directory would
+    otherwise mix scale factors or part counts without any error. Other files
+    and other tables in ``out_dir`` are left alone.
+
     Parameters
     ----------
     scale_factor
@@ -47,9 +58,10 @@ def generate(
     out_dir
         Directory to write into (created if needed).
     parts
-        Files per table; ``> 1`` writes ``out_dir/<table>/<table>.<i>.parquet``.
+        Files per table; ``> 1`` writes ``out_dir/<table>/<table>.<i>.parquet``
+        (``i`` from 1), ``1`` writes ``out_dir/<table>.parquet``.
     tables
-        Names of the tables to write.
+        Names of the tables to write, from :data:`TABLES`.
 
     Returns
     -------
@@ -58,17 +70,25 @@ def generate(
 
     Raises
     ------
+    ValueError
+        If a table is not a TPC-H table.
     FileNotFoundError
         If ``tpchgen-cli`` is neither next to the Python executable nor on ``PATH``.
     subprocess.CalledProcessError
         If the generator fails.
     """
+    unknown = [t for t in tables if t not in TABLES]
+    if unknown or not tables:
+        raise ValueError(f"tables must be TPC-H tables out of {TABLES}, got {tuple(tables)!r}")
     exe = Path(sys.executable).with_name("tpchgen-cli")
     cli = str(exe) if exe.exists() else shutil.which("tpchgen-cli")
     if cli is None:
         raise FileNotFoundError("tpchgen-cli not found (pip install tpchgen-cli)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for table in tables:
+        _remove(out / table)
+        _remove(out / f"{table}.parquet")
     cmd = [
         cli,
         "parquet",
@@ -81,6 +101,14 @@ def generate(
         cmd.append(f"--parts={int(parts)}")
     subprocess.run(cmd, check=True, capture_output=True)
     return out
+
+
+def _remove(path: Path) -> None:
+    # A link is removed, not followed: only what generate() wrote is deleted.
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
 def load_parquet(path: str | os.PathLike[str]) -> pd.DataFrame:
