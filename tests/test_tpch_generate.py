@@ -77,3 +77,20 @@ def test_unknown_table_is_refused_before_anything_is_deleted(tmp_path: Path) -> 
     with pytest.raises(ValueError, match=r"TPC-H tables .* got \('lineitem', '\.\./x'\)"):
         generate(0.001, tmp_path, tables=("lineitem", "../x"))
     assert _files(tmp_path) == files
+
+
+def test_generator_failure_shows_its_stderr(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError) as info:
+        generate(-1, tmp_path)
+    message = str(info.value)
+    assert message.startswith("tpchgen-cli failed with exit status 2: ")
+    assert "--scale-factor=-1" in message  # the command line
+    # tpchgen-cli's own words (its stderr), which used to be hidden.
+    assert "invalid value '-1' for '--scale-factor" in message
+
+
+@pytest.mark.parametrize("parts", [0, -3, 2.5, True, "3"])
+def test_bad_parts_is_refused(tmp_path: Path, parts: object) -> None:
+    with pytest.raises(ValueError, match=rf"parts must be an integer >= 1, got {parts!r}"):
+        generate(0.001, tmp_path, parts=parts)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []

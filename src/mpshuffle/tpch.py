@@ -54,11 +54,12 @@ def generate(
     Parameters
     ----------
     scale_factor
-        TPC-H scale factor (1 is about 6 million line items, 1.5 million orders).
+        TPC-H scale factor (1 is about 6 million line items, 1.5 million orders);
+        ``tpchgen-cli`` refuses negative values.
     out_dir
         Directory to write into (created if needed).
     parts
-        Files per table; ``> 1`` writes ``out_dir/<table>/<table>.<i>.parquet``
+        Files per table, >= 1; ``> 1`` writes ``out_dir/<table>/<table>.<i>.parquet``
         (``i`` from 1), ``1`` writes ``out_dir/<table>.parquet``.
     tables
         Names of the tables to write, from :data:`TABLES`.
@@ -71,12 +72,15 @@ def generate(
     Raises
     ------
     ValueError
-        If a table is not a TPC-H table.
+        If ``parts`` < 1 or a table is not a TPC-H table.
     FileNotFoundError
         If ``tpchgen-cli`` is neither next to the Python executable nor on ``PATH``.
-    subprocess.CalledProcessError
-        If the generator fails.
+    RuntimeError
+        If ``tpchgen-cli`` fails (for example for a negative ``scale_factor``);
+        the message holds its exit status, command line and standard error.
     """
+    if isinstance(parts, bool) or not isinstance(parts, int | np.integer) or parts < 1:
+        raise ValueError(f"parts must be an integer >= 1, got {parts!r}")
     unknown = [t for t in tables if t not in TABLES]
     if unknown or not tables:
         raise ValueError(f"tables must be TPC-H tables out of {TABLES}, got {tuple(tables)!r}")
@@ -92,14 +96,18 @@ def generate(
     cmd = [
         cli,
         "parquet",
-        "-s",
-        str(scale_factor),
+        # '=' keeps a negative value from reading as an option, so that
+        # tpchgen-cli's error names the scale factor.
+        f"--scale-factor={scale_factor}",
         f"--tables={','.join(tables)}",
         f"--output-dir={out}",
     ]
     if parts > 1:
         cmd.append(f"--parts={int(parts)}")
-    subprocess.run(cmd, check=True, capture_output=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        stderr = proc.stderr.strip() or "(nothing on stderr)"
+        raise RuntimeError(f"tpchgen-cli failed with exit status {proc.returncode}: {' '.join(cmd)}\n{stderr}")
     return out
 
 
