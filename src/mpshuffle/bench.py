@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
+from mpshuffle._cliargs import int_at_least, positive_float, positive_int
+
 __all__ = ["METHODS", "main", "make_synthetic"]
 
 METHODS = ("mpshuffle", "p2p", "tasks")
@@ -324,7 +326,7 @@ def _cases(args: Any) -> list[dict[str, Any]]:
             sizes = args.sizes if args.gb_per_worker is None else [args.gb_per_worker * w]
             for gb in sizes:
                 cases.append({"data": "synthetic", "workers": w, "partitions": p, "gb": gb})
-            if args.lineitem_sf:
+            if args.lineitem_sf is not None:
                 cases.append({"data": "lineitem", "workers": w, "partitions": p,
                               "scale_factor": args.lineitem_sf})
     return cases
@@ -360,7 +362,7 @@ def run(args: Any) -> dict[str, Any]:
 
     cases = _cases(args)
     results: dict[str, Any] = {"versions": versions(), "args": vars(args), "cases": []}
-    data_dir = args.data_dir or tempfile.mkdtemp(prefix="mpshuffle-bench-")
+    data_dir = tempfile.mkdtemp(prefix="mpshuffle-bench-") if args.data_dir is None else args.data_dir
     total = len(cases) * args.repeats * len(METHODS)
     bar = tqdm(total=total, desc="bench", unit="shuffle", disable=args.no_progress)
     by_workers: dict[int, list[dict[str, Any]]] = {}
@@ -460,18 +462,20 @@ def plot(results: dict[str, Any], path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's options to ``parser`` (used by ``mpshuffle bench``)."""
-    parser.add_argument("--sizes", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
-                        help="synthetic input sizes in GB (10**9 bytes in memory)")
-    parser.add_argument("--gb-per-worker", type=float, default=None,
-                        help="instead of --sizes: this many GB per worker (weak scaling)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[2], help="worker counts to sweep")
-    parser.add_argument("--partitions", type=int, nargs="+", default=[60],
-                        help="partition counts to sweep (input and output alike)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each method per case (>= 2)")
-    parser.add_argument("--memory-limit", type=float, default=8.0,
-                        help="memory_limit of every worker in GiB")
-    parser.add_argument("--lineitem-sf", type=float, default=None,
-                        help="also shuffle TPC-H lineitem of this scale factor on l_orderkey")
+    parser.add_argument("--sizes", type=positive_float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
+                        help="synthetic input sizes in GB (10**9 bytes in memory), each > 0")
+    parser.add_argument("--gb-per-worker", type=positive_float, default=None,
+                        help="instead of --sizes: this many GB per worker, > 0 (weak scaling)")
+    parser.add_argument("--workers", type=positive_int, nargs="+", default=[2],
+                        help="worker counts to sweep, each >= 1")
+    parser.add_argument("--partitions", type=positive_int, nargs="+", default=[60],
+                        help="partition counts to sweep (input and output alike), each >= 1")
+    parser.add_argument("--repeats", type=int_at_least(2), default=2,
+                        help="runs of each method per case (>= 2)")
+    parser.add_argument("--memory-limit", type=positive_float, default=8.0,
+                        help="memory_limit of every worker in GiB, > 0")
+    parser.add_argument("--lineitem-sf", type=positive_float, default=None,
+                        help="also shuffle TPC-H lineitem of this scale factor (> 0) on l_orderkey")
     parser.add_argument("--data-dir", default=None, help="where tpchgen-cli writes lineitem")
     parser.add_argument("--output", "-o", default="benchmarks/results/bench.json",
                         help="JSON file; the plot goes next to it as .png")

@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from mpshuffle._cliargs import positive_float, positive_int
+
 __all__ = ["main"]
 
 
@@ -38,10 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="shuffle TPC-H lineitem on a LocalCluster and report throughput")
-    demo.add_argument("--scale-factor", "-s", type=float, default=0.5,
-                      help="TPC-H scale factor (default 0.5: 3M rows, about 1 minute on 2 cores)")
-    demo.add_argument("--workers", type=int, default=None, help="workers (default: one per core, at least 2)")
-    demo.add_argument("--partitions", type=int, default=None, help="output partitions (default: as many as input)")
+    demo.add_argument("--scale-factor", "-s", type=positive_float, default=0.5,
+                      help="TPC-H scale factor, > 0 (default 0.5: 3M rows, about 1 minute on 2 cores)")
+    demo.add_argument("--workers", type=positive_int, default=None,
+                      help="workers, >= 1 (default: one per core, at least 2)")
+    demo.add_argument("--partitions", type=positive_int, default=None,
+                      help="output partitions, >= 1 (default: as many as input)")
     demo.add_argument("--data-dir", default=None,
                       help="where to write the generated data (default: a temporary dir, deleted after); "
                            "lineitem and orders that an earlier run left there are deleted and generated anew")
@@ -96,7 +100,7 @@ def _demo(args: Any) -> int:
     from mpshuffle.dask import bootstrap_dask_cluster, shuffle
 
     ncores = psutil.cpu_count(logical=True) or 2
-    nworkers = args.workers or max(2, ncores)
+    nworkers = max(2, ncores) if args.workers is None else args.workers
     memory_limit = int(psutil.virtual_memory().total * 0.8 / nworkers)
     tmp = None
     data_dir = args.data_dir
@@ -124,7 +128,7 @@ def _demo(args: Any) -> int:
             generation = bootstrap_dask_cluster(client)
             print(f"bootstrap: generation {generation.id}, {generation.nranks} ranks, "
                   f"{time.perf_counter() - t0:.3f} s")
-            npartitions = args.partitions or df.npartitions
+            npartitions = df.npartitions if args.partitions is None else args.partitions
             t0 = time.perf_counter()
             out = shuffle(df, "l_orderkey", npartitions=npartitions, ignore_index=True).persist()
             _progress(out, "shuffle", disable=args.no_progress)

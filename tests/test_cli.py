@@ -1,0 +1,102 @@
+"""The command line refuses out-of-range values before anything starts, naming the option."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from mpshuffle import bench, cli
+
+BAD = [
+    # demo
+    (["demo", "--workers", "-1"], "--workers", "-1"),
+    (["demo", "--workers", "0"], "--workers", "0"),
+    (["demo", "--workers", "two"], "--workers", "two"),
+    (["demo", "--partitions", "0"], "--partitions", "0"),
+    (["demo", "--partitions", "-3"], "--partitions", "-3"),
+    (["demo", "-s", "-1"], "--scale-factor/-s", "-1"),
+    (["demo", "--scale-factor", "0"], "--scale-factor/-s", "0"),
+    (["demo", "-s", "nan"], "--scale-factor/-s", "nan"),
+    (["demo", "-s", "inf"], "--scale-factor/-s", "inf"),
+    # bench
+    (["bench", "--sizes", "0.5", "0"], "--sizes", "0"),
+    (["bench", "--sizes", "-1"], "--sizes", "-1"),
+    (["bench", "--gb-per-worker", "0"], "--gb-per-worker", "0"),
+    (["bench", "--workers", "2", "0"], "--workers", "0"),
+    (["bench", "--workers", "-2"], "--workers", "-2"),
+    (["bench", "--partitions", "0"], "--partitions", "0"),
+    (["bench", "--partitions", "1.5"], "--partitions", "1.5"),
+    (["bench", "--repeats", "1"], "--repeats", "1"),
+    (["bench", "--repeats", "0"], "--repeats", "0"),
+    (["bench", "--memory-limit", "0"], "--memory-limit", "0"),
+    (["bench", "--memory-limit", "-8"], "--memory-limit", "-8"),
+    (["bench", "--lineitem-sf", "0"], "--lineitem-sf", "0"),
+    (["bench", "--lineitem-sf", "-0.1"], "--lineitem-sf", "-0.1"),
+]
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, argparse.Namespace]]:
+    """Replace the demo and the benchmark by recorders of the parsed arguments."""
+    calls: list[tuple[str, argparse.Namespace]] = []
+
+    def record(name: str) -> Any:
+        def run(args: argparse.Namespace) -> int:
+            calls.append((name, args))
+            return 0
+
+        return run
+
+    monkeypatch.setattr(cli, "_demo", record("demo"))
+    monkeypatch.setattr(bench, "run_and_report", record("bench"))
+    return calls
+
+
+@pytest.mark.parametrize(("argv", "option", "value"), BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_value_is_an_argparse_error_naming_the_option(
+    ran: list[tuple[str, argparse.Namespace]], capsys: pytest.CaptureFixture[str],
+    argv: list[str], option: str, value: str,
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option}: " in err
+    assert repr(value) in err
+    assert ran == []  # nothing started
+
+
+def test_bench_main_refuses_the_same_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--repeats", "1"])
+    assert info.value.code == 2
+    assert "error: argument --repeats: must be an integer >= 2, got '1'" in capsys.readouterr().err
+
+
+def test_good_values_are_kept(ran: list[tuple[str, argparse.Namespace]]) -> None:
+    assert cli.main(["demo", "-s", "0.05", "--workers", "1", "--partitions", "1"]) == 0
+    assert cli.main(["demo"]) == 0
+    assert cli.main(["bench", "--sizes", "0.01", "0.5", "--workers", "1", "3", "--partitions", "1",
+                     "--repeats", "2", "--memory-limit", "0.5", "--lineitem-sf", "0.01",
+                     "--gb-per-worker", "0.1"]) == 0
+    (_, demo), (_, default), (_, b) = ran
+    assert [n for n, _ in ran] == ["demo", "demo", "bench"]
+    assert (demo.scale_factor, demo.workers, demo.partitions) == (0.05, 1, 1)
+    # No value means "the default", decided by the demo (not 0 or a falsy value).
+    assert (default.scale_factor, default.workers, default.partitions) == (0.5, None, None)
+    assert (b.sizes, b.workers, b.partitions, b.repeats) == ([0.01, 0.5], [1, 3], [1], 2)
+    assert (b.memory_limit, b.lineitem_sf, b.gb_per_worker) == (0.5, 0.01, 0.1)
+
+
+def test_console_entry_exits_2_without_starting_a_cluster() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpshuffle.cli", "demo", "--workers", "-1"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "mpshuffle demo: error: argument --workers: must be an integer >= 1, got '-1'" in proc.stderr
+    assert proc.stdout == ""
