@@ -29,7 +29,8 @@ Dask's shuffles run with their default settings; every method drops the
 index (``ignore_index=True``), so all do the same work.
 
 Run ``mpshuffle bench --help`` for the sweeps (sizes, workers, partitions,
-TPC-H lineitem); results go to a JSON file and a PNG plot.
+TPC-H lineitem); results go to a JSON file and, with matplotlib installed
+(the ``[bench]`` extra), a PNG plot of the synthetic cases.
 """
 
 from __future__ import annotations
@@ -361,7 +362,8 @@ def run(args: Any) -> dict[str, Any]:
     from mpshuffle.dask import bootstrap_dask_cluster
 
     cases = _cases(args)
-    results: dict[str, Any] = {"versions": versions(), "args": vars(args), "cases": []}
+    results: dict[str, Any] = {"versions": versions(), "args": vars(args),
+                               "plot": _plot_path(args.output, cases), "cases": []}
     data_dir = tempfile.mkdtemp(prefix="mpshuffle-bench-") if args.data_dir is None else args.data_dir
     total = len(cases) * args.repeats * len(METHODS)
     bar = tqdm(total=total, desc="bench", unit="shuffle", disable=args.no_progress)
@@ -401,16 +403,35 @@ def run(args: Any) -> dict[str, Any]:
                 out.update(case, memory_limit=memory_limit, bootstrap_seconds=bootstrap)
                 out["summary"] = summarize(out)
                 results["cases"].append(out)
-                _write(results, args)
+                _write(results, args.output)
     bar.close()
     return results
 
 
-def _write(results: dict[str, Any], args: Any) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
+def _plot_path(output: str, cases: Sequence[dict[str, Any]]) -> str | None:
+    """Where the PNG goes (next to ``output``), or ``None`` if there is none to draw.
+
+    The plot shows the synthetic cases only, and needs matplotlib, which is
+    the optional ``[bench]`` extra: without it the benchmark still runs and
+    writes its JSON, and says once that no plot is written.
+    """
+    if not any(c["data"] == "synthetic" for c in cases):
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib not installed (pip install mpshuffle[bench]); no plot written", flush=True)
+        return None
+    return os.path.splitext(output)[0] + ".png"
+
+
+def _write(results: dict[str, Any], output: str) -> None:
+    # Written after every case, so an interrupted sweep keeps what it measured.
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    with open(output, "w") as f:
         json.dump(results, f, indent=1)
-    plot(results, os.path.splitext(args.output)[0] + ".png")
+    if results["plot"] is not None:
+        plot(results, results["plot"])
 
 
 def plot(results: dict[str, Any], path: str) -> None:
@@ -493,7 +514,7 @@ def run_and_report(args: Any) -> int:
     """Run the sweep described by parsed ``args`` and print one line per case and method."""
     results = run(args)
     print(report(results))
-    print(f"results: {args.output} and {os.path.splitext(args.output)[0]}.png")
+    print(f"results: {args.output}" + ("" if results["plot"] is None else f" and {results['plot']}"))
     return 0
 
 
