@@ -103,3 +103,35 @@ def test_lineitem_only_sweep_has_no_plot_and_no_note(
 ) -> None:
     assert bench._plot_path("bench.json", [{"data": "lineitem"}]) is None
     assert capsys.readouterr().out == ""
+
+
+def _lineitem_rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+
+
+def test_lineitem_reuses_only_a_finished_generation(tmp_path: Path) -> None:
+    df, on = bench._lineitem(0.001, 2, str(tmp_path))
+    root = tmp_path / "sf0.001-p2"
+    parts = sorted(str(p) for p in (root / "lineitem").glob("*.parquet"))
+    assert on == "l_orderkey" and df.npartitions == 2 and len(parts) == 2
+    expected = _lineitem_rows(parts)
+    assert int(df.shape[0].compute(scheduler="sync")) == expected > 5000  # about 6000 at scale factor 0.001
+    # A finished generation is reused as it is.
+    stamps = [Path(p).stat().st_mtime_ns for p in parts]
+    bench._lineitem(0.001, 2, str(tmp_path))
+    assert [Path(p).stat().st_mtime_ns for p in parts] == stamps
+    # An interrupted one (a part missing, no stamp) is generated anew, not read as it is.
+    Path(parts[1]).unlink()
+    (root / "lineitem.done").unlink()
+    df, _ = bench._lineitem(0.001, 2, str(tmp_path))
+    assert df.npartitions == 2
+    assert int(df.shape[0].compute(scheduler="sync")) == expected
+
+
+def test_lineitem_in_one_partition(tmp_path: Path) -> None:
+    df, _ = bench._lineitem(0.001, 1, str(tmp_path))
+    assert df.npartitions == 1
+    rows = _lineitem_rows([str(tmp_path / "sf0.001-p1" / "lineitem.parquet")])
+    assert int(df.shape[0].compute(scheduler="sync")) == rows > 5000

@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Self
 
 from mpshuffle._cliargs import int_at_least, positive_float, positive_int
@@ -313,10 +314,19 @@ def _lineitem(scale_factor: float, partitions: int, data_dir: str) -> tuple[Any,
     from mpshuffle.tpch import generate, load_parquet
 
     root = os.path.join(data_dir, f"sf{scale_factor:g}-p{partitions}")
-    path = os.path.join(root, "lineitem")
-    if not (os.path.isdir(path) and os.listdir(path)):
+    # Reuse a generation only if it finished and is of these parameters: an
+    # interrupted one leaves some parts, which would shuffle without error.
+    done = Path(root, "lineitem.done")
+    stamp = f"scale_factor={scale_factor!r} parts={partitions}\n"
+    if not (done.is_file() and done.read_text() == stamp):
+        done.unlink(missing_ok=True)
         generate(scale_factor, root, parts=partitions, tables=("lineitem",))
-    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+        done.write_text(stamp)
+    path = os.path.join(root, "lineitem")
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+    else:  # one part: tpchgen-cli writes lineitem.parquet, no folder
+        files = [os.path.join(root, "lineitem.parquet")]
     return dd.from_map(load_parquet, files), "l_orderkey"
 
 
@@ -497,7 +507,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory_limit of every worker in GiB, > 0")
     parser.add_argument("--lineitem-sf", type=positive_float, default=None,
                         help="also shuffle TPC-H lineitem of this scale factor (> 0) on l_orderkey")
-    parser.add_argument("--data-dir", default=None, help="where tpchgen-cli writes lineitem")
+    parser.add_argument("--data-dir", default=None,
+                        help="where tpchgen-cli writes lineitem, one folder per scale factor and partition "
+                             "count; a finished generation there is reused (default: a temporary dir)")
     parser.add_argument("--output", "-o", default="benchmarks/results/bench.json",
                         help="JSON file; the plot goes next to it as .png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
