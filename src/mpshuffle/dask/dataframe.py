@@ -10,6 +10,7 @@ import dask
 import dask.dataframe as dd
 from dask.base import tokenize
 
+from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.graph import check_npartitions, shuffle_graph
 
 __all__ = ["shuffle"]
@@ -67,7 +68,7 @@ def shuffle(
     shuffle in one process.
     """
     if not isinstance(df, dd.DataFrame):
-        raise TypeError(f"shuffle expects a dask DataFrame, got {type(df).__name__}")
+        raise frame_type_error("shuffle expects a dask DataFrame", df)
     if isinstance(on, (str, bytes, int)) or not isinstance(on, Sequence):
         on = [on]
     on = list(on)

@@ -21,6 +21,7 @@ import pandas as pd
 from dask.base import tokenize
 from dask.dataframe.utils import make_meta, meta_nonempty
 
+from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.dataframe import shuffle
 
 __all__ = ["merge"]
@@ -178,9 +179,7 @@ def _as_collection(df: Any, side: str) -> dd.DataFrame:
     if isinstance(df, pd.DataFrame):
         return dd.from_pandas(df, npartitions=1)
     if not isinstance(df, dd.DataFrame):
-        raise TypeError(
-            f"merge: {side} must be a dask or pandas DataFrame, got {type(df).__name__}"
-        )
+        raise frame_type_error(f"merge: {side} must be a dask or pandas DataFrame", df)
     return df
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 from dask.base import tokenize
 
+from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.dataframe import _warm_up
 from mpshuffle.dask.graph import shuffle_graph
 
@@ -222,7 +223,7 @@ def set_index(
 
 def _check_frame(df: Any, what: str) -> None:
     if not isinstance(df, dd.DataFrame):
-        raise TypeError(f"{what} expects a dask DataFrame, got {type(df).__name__}")
+        raise frame_type_error(f"{what} expects a dask DataFrame", df)
 
 
 def _check_columns(df: dd.DataFrame, columns: list[Any], what: str) -> None:
