@@ -7,7 +7,7 @@ from distributed import Client
 
 from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context
-from mpshuffle.errors import MPShuffleError, OptionError
+from mpshuffle.errors import OptionError
 
 
 def _scheduler_state(dask_scheduler):  # type: ignore[no-untyped-def]
@@ -71,8 +71,11 @@ def test_bad_options_are_named(client: Client) -> None:
         bootstrap_dask_cluster(client, bootstrap_timeout=-1)
     with pytest.raises(OptionError, match="unknown mpshuffle option"):
         bootstrap_dask_cluster(client, timeot=3)
-    with pytest.raises(MPShuffleError, match="local"):
+    with pytest.raises(OptionError, match=r"^comm='local' cannot connect the workers of a distributed cluster; "
+                       r"use 'tcp' \('local' is for Dask's single-process schedulers\)$"):
         bootstrap_dask_cluster(client, comm="local")
+    # The refused option changed nothing: the default bootstrap still works.
+    assert bootstrap_dask_cluster(client).nranks == 2
 
 
 def _fail_in_guard(timeout: bool) -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from mpshuffle.config import resolve_options
 from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
 from mpshuffle.dask.worker import PLUGIN_NAME, ShuffleWorkerPlugin
-from mpshuffle.errors import MPShuffleError
+from mpshuffle.errors import MPShuffleError, OptionError
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -75,7 +75,8 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
     Raises
     ------
     OptionError
-        For unknown option names or invalid values.
+        For unknown option names or invalid values, and for ``comm`` other
+        than ``'tcp'`` (``'local'`` cannot connect worker processes).
     BootstrapError
         If the cluster has no workers or a worker failed or timed out; the
         message names the workers and ranks.
@@ -86,7 +87,7 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
         client = get_client()
     opts = resolve_options(**options)
     if opts.comm != "tcp":
-        raise MPShuffleError(
+        raise OptionError(
             f"comm={opts.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
             "('local' is for Dask's single-process schedulers)"
         )
