@@ -504,3 +504,34 @@ def test_skip_aliases_keeps_what_other_tasks_read() -> None:
     assert resolved == ["t0", "t1", "t1"]
     assert set(graph) == {"t0", "t1", "mid1", ("a", 2), "legacy", "new"}
     assert graph["t0"] is frame
+
+
+def test_merge_and_sorts_of_persisted_inputs_run_no_alias_task(client: Client) -> None:
+    """Merges and sorts take the persisted keys and name their outputs after their own tasks."""
+    from mpshuffle.dask import set_index
+
+    pdf = _pdf()
+    a = _persisted(client, pdf, 4)
+    b = _persisted(client, pdf.rename(columns={"v": "w"}), 3)
+    m = merge(a, b, on="k", npartitions=5)
+    assert _aliases(m) == []
+    parts, counts = _run_counted(client, m)
+    assert counts == Counter({"mpshuffle-insert": 7, "mpshuffle-barrier": 2, "mpshuffle-extract": 10,
+                              "mpshuffle-merge": 5})
+    pd.testing.assert_frame_equal(
+        pd.concat(parts).sort_values(["k", "v", "w"], ignore_index=True),
+        pdf.merge(pdf.rename(columns={"v": "w"}), on="k").sort_values(["k", "v", "w"], ignore_index=True),
+        check_dtype=False,
+    )
+    s = sort_values(a, "v", npartitions=3)  # the boundaries are sampled here, before the stream
+    assert _aliases(s) == []
+    parts, counts = _run_counted(client, s)
+    assert counts == Counter({"mpshuffle-range-insert": 4, "mpshuffle-range-barrier": 1,
+                              "mpshuffle-range-extract": 3, "mpshuffle-sort": 3})
+    assert pd.concat(parts)["v"].tolist() == sorted(pdf["v"].tolist())
+    i = set_index(a, "v", npartitions=3)
+    assert _aliases(i) == [] and i.known_divisions
+    parts, counts = _run_counted(client, i)
+    assert set(counts) == {"mpshuffle-range-insert", "mpshuffle-range-barrier", "mpshuffle-range-extract",
+                           "mpshuffle-set-index"}
+    assert pd.concat(parts).index.tolist() == sorted(pdf["v"].tolist())

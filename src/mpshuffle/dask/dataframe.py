@@ -99,14 +99,19 @@ def shuffle(
     return _collection(graph, meta, npartitions, keys)
 
 
-def _collection(graph: dict[Any, Any], meta: Any, npartitions: int, keys: list[Any]) -> dd.DataFrame:
-    """The dask DataFrame whose partitions are the extract tasks ``keys``.
+def _collection(
+    graph: dict[Any, Any], meta: Any, npartitions: int, keys: list[Any],
+    divisions: tuple[Any, ...] | None = None,
+) -> dd.DataFrame:
+    """The dask DataFrame whose partitions are the tasks ``keys`` = ``[(name, 0), (name, 1), ...]``.
 
     ``dd.from_graph`` renames the keys and adds one alias task per partition;
-    the expression below keeps the extract keys as the collection's own, so
-    the scheduler runs no task beyond the shuffle's.
+    the expression below keeps ``name`` as the collection's own, so the
+    scheduler runs no task beyond the graph's. Used for the shuffle's extract
+    tasks and for the per-partition tasks of merges and sorts.
     """
-    divisions = (None,) * (npartitions + 1)
+    if divisions is None:
+        divisions = (None,) * (npartitions + 1)
     if _ShuffleOutput is None:  # a dask without dask-expr's FromGraph
         return dd.from_graph(graph, meta, divisions, keys, "mpshuffle")
     from dask._collections import new_collection

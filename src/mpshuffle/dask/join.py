@@ -22,7 +22,7 @@ from dask.base import tokenize
 from dask.dataframe.utils import make_meta, meta_nonempty
 
 from mpshuffle.dask._checks import frame_type_error
-from mpshuffle.dask.dataframe import shuffle
+from mpshuffle.dask.dataframe import _collection, shuffle
 
 __all__ = ["merge"]
 
@@ -141,7 +141,7 @@ def merge(
     for j, (lk, rk) in enumerate(zip(lshuf.__dask_keys__(), rshuf.__dask_keys__(), strict=True)):
         graph[(name, j)] = (merge_partition, lk, rk, kwargs, list(meta.columns), semi)
         keys.append((name, j))
-    return dd.from_graph(graph, meta, (None,) * (npartitions + 1), keys, "mpshuffle-merge")
+    return _collection(graph, meta, npartitions, keys)
 
 
 def merge_partition(

@@ -30,7 +30,7 @@ import pandas as pd
 from dask.base import tokenize
 
 from mpshuffle.dask._checks import frame_type_error
-from mpshuffle.dask.dataframe import _warm_up
+from mpshuffle.dask.dataframe import _collection, _skip_aliases, _warm_up
 from mpshuffle.dask.graph import shuffle_graph
 
 __all__ = ["RangePartitioner", "set_index", "sort_values"]
@@ -155,7 +155,7 @@ def sort_values(
     for j, key in enumerate(extract_keys):
         graph[(name, j)] = (_sort_partition, key, by, asc, na_position)
         keys.append((name, j))
-    return dd.from_graph(graph, df._meta, (None,) * (len(keys) + 1), keys, "mpshuffle-sort")
+    return _collection(graph, df._meta, len(keys), keys)
 
 
 def set_index(
@@ -215,7 +215,7 @@ def set_index(
         divisions: tuple[Any, ...] = (None,) * (len(keys) + 1)
     else:
         divisions = (lo, *bounds.tolist(), hi)
-    return dd.from_graph(graph, meta, divisions, keys, "mpshuffle-set-index")
+    return _collection(graph, meta, len(keys), keys, divisions)
 
 
 # -- helpers -------------------------------------------------------------
@@ -321,8 +321,9 @@ def _range_shuffle(
     _warm_up()
     meta = df._meta if keep_index else df._meta.reset_index(drop=True)
     token = tokenize(df._name, partitioner, keep_index)
+    graph = dict(df.__dask_graph__())
     layer, keys = shuffle_graph(
-        df.__dask_keys__(),
+        _skip_aliases(graph, df.__dask_keys__()),
         on=[partitioner.column],
         npartitions=partitioner.npartitions,
         meta=meta,
@@ -331,7 +332,6 @@ def _range_shuffle(
         token=token,
         partitioner=partitioner,
     )
-    graph = dict(df.__dask_graph__())
     graph.update(layer)
     return keys, graph
 
