@@ -191,11 +191,19 @@ def _warm_up() -> None:
     from mpshuffle.config import resolve_options
     from mpshuffle.dask.bootstrap import register_plugins
 
+    options = resolve_options()
+    if options.comm != "tcp":
+        from mpshuffle.errors import OptionError
+
+        raise OptionError(
+            f"comm={options.comm!r} (mpshuffle.comm in dask.config) cannot connect the workers of a "
+            "distributed cluster; use 'tcp' ('local' is for Dask's single-process schedulers)"
+        )
     register_plugins(client)
     # Options resolved here only seed the first generation: one the user
     # bootstrapped with keyword arguments (spill_host=...) must be kept, not
     # replaced by one with the dask.config defaults.
-    client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(resolve_options()))
+    client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(options))
 
 
 async def _warm_up_generation(options: dict[str, Any], dask_scheduler: Any = None) -> dict[str, Any]:

@@ -185,6 +185,13 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         gen = self.generation
         # Options outlive a generation dropped because a worker left.
         opts = Options(**options) if options is not None else (self._options or resolve_options())
+        if opts.comm != "tcp":
+            # Set in dask.config (mpshuffle.comm) and reached here without an
+            # explicit bootstrap, which checks it on the client.
+            raise BootstrapError(
+                f"comm={opts.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
+                "('local' is for Dask's single-process schedulers; see mpshuffle.comm in dask.config)"
+            )
         if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:
             return {**gen.describe(), "bootstrapped": False}
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)

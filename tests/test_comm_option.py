@@ -1,0 +1,43 @@
+"""``mpshuffle.comm: local`` in dask.config on a distributed cluster is refused, not ignored."""
+
+from __future__ import annotations
+
+import asyncio
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, LocalCluster
+
+from mpshuffle.dask import shuffle
+from mpshuffle.errors import OptionError
+
+
+def _df() -> dd.DataFrame:
+    return dd.from_pandas(pd.DataFrame({"k": np.arange(100), "v": np.arange(100)}), npartitions=4)
+
+
+def test_local_comm_in_config_is_refused_with_a_sync_client(client: Client) -> None:
+    with dask.config.set({"mpshuffle.comm": "local"}), pytest.raises(
+        OptionError, match=r"comm='local' \(mpshuffle.comm in dask.config\)"
+    ):
+        shuffle(_df(), "k")
+    # Nothing was bootstrapped with it: the default setting still shuffles.
+    assert sorted(shuffle(_df(), "k").compute()["v"].tolist()) == list(range(100))
+
+
+def test_local_comm_in_config_is_refused_when_the_tasks_bootstrap() -> None:
+    async def main() -> str:
+        async with LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0", asynchronous=True
+        ) as cluster, Client(cluster, asynchronous=True) as client:
+            with dask.config.set({"mpshuffle.comm": "local"}):
+                out = shuffle(_df(), "k")  # an async client: the first task bootstraps
+                with pytest.raises(Exception) as info:
+                    await client.compute(out)
+                return str(info.value)
+
+    msg = asyncio.run(main())
+    assert "comm='local' cannot connect the workers" in msg
