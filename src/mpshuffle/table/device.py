@@ -403,7 +403,8 @@ def pack_sorted(
         one ``uint8`` array on the table's device.
     """
     xp = frame.xp
-    layout: list[tuple[int, int, int, list[int]]] = []  # pid, row start, rows, col offsets
+    # pid, first sorted row, rows, byte start in the buffer, bytes, column offsets
+    layout: list[tuple[int, int, int, int, int, list[int]]] = []
     total = 0
     row = 0
     for pid in pid_order:
@@ -415,58 +416,42 @@ def pack_sorted(
         for col in frame.columns.values():
             offs.append(total - start)
             total += _align(n * col.dtype.itemsize)
-        layout.append((pid, row, n, offs))
+        layout.append((pid, row, n, start, total - start, offs))
         row += n
-        total = _align(total)
     buf = xp.empty(total, dtype=np.uint8)
+    if layout:
+        _scatter_columns(frame, order, layout, buf)
     names = frame.names
     dtypes = [frame.columns[k].dtype.str for k in names]
-    # Piece starts in the buffer (layout order), from the same running sum.
-    starts = []
-    piece_start = 0
-    for _pid, _r0, n, offs in layout:
-        starts.append(piece_start)
-        size = offs[-1] + _align(n * frame.columns[names[-1]].dtype.itemsize)
-        piece_start = _align(piece_start + size)
-    if layout and all(_ALIGN % frame.columns[k].dtype.itemsize == 0 for k in names):
-        _scatter_columns(frame, order, layout, starts, buf)
-    else:
-        for (_pid, r0, n, offs), start in zip(layout, starts, strict=True):
-            idx = order[r0 : r0 + n]
-            for (_name, col), off in zip(frame.columns.items(), offs, strict=True):
-                dst = buf[start + off : start + off + n * col.dtype.itemsize].view(col.dtype)
-                xp.take(col, idx, out=dst)
     out: dict[int, PackedData] = {}
-    for (pid, _r0, n, offs), start in zip(layout, starts, strict=True):
-        size = offs[-1] + _align(n * frame.columns[names[-1]].dtype.itemsize)
+    for pid, _r0, n, start, size, offs in layout:
         meta = json.dumps({"format": _FORMAT, "names": names, "dtypes": dtypes, "offsets": offs})
         out[pid] = PackedData(metadata=meta.encode(), data=buf[start : start + size], nrows=n)
     return out
 
 
 def _scatter_columns(
-    frame: DeviceTable, order: Any, layout: list[tuple[int, int, int, list[int]]],
-    starts: list[int], buf: Any,
+    frame: DeviceTable, order: Any, layout: list[tuple[int, int, int, int, int, list[int]]], buf: Any,
 ) -> None:
     """Fill every piece's column blocks with a few array operations per column.
 
     Sorted row ``i`` lies in piece ``k`` (rows ``r0_k .. r0_k + n_k``); its
     value of column ``c`` goes to element ``(start_k + off_kc) / itemsize_c +
     (i - r0_k)`` of the buffer viewed as ``c``'s dtype (blocks are aligned to
-    ``_ALIGN``, a multiple of every itemsize). One gather and one scatter per
+    ``_ALIGN`` = 64 bytes, a multiple of the itemsize of every dtype kind a
+    device table holds). One gather and one scatter per
     column, instead of one copy per piece and column: the number of kernel
     launches no longer grows with the number of output partitions.
     """
     xp = frame.xp
     nrows_sorted = int(order.shape[0])
-    r0 = np.array([r for _, r, _, _ in layout], dtype=np.int64)
+    r0 = np.array([r for _, r, _, _, _, _ in layout], dtype=np.int64)
     row = xp.arange(nrows_sorted, dtype=np.int64)
     # Piece of each sorted row: pieces hold consecutive row ranges starting at r0.
     piece_of_row = xp.searchsorted(xp.asarray(r0[1:]), row, side="right")
     for c, col in enumerate(frame.columns.values()):
         item = col.dtype.itemsize
-        first = np.array([(st + offs[c]) // item for st, (_, _, _, offs) in zip(starts, layout, strict=True)],
-                         dtype=np.int64)
+        first = np.array([(start + offs[c]) // item for _, _, _, start, _, offs in layout], dtype=np.int64)
         dest = xp.asarray(first - r0)[piece_of_row]
         dest += row
         buf.view(col.dtype)[dest] = xp.take(col, order)
