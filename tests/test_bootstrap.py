@@ -72,7 +72,8 @@ def test_bad_options_are_named(client: Client) -> None:
     with pytest.raises(OptionError, match="unknown mpshuffle option"):
         bootstrap_dask_cluster(client, timeot=3)
     with pytest.raises(OptionError, match=r"^comm='local' cannot connect the workers of a distributed cluster; "
-                       r"use 'tcp' \('local' is for Dask's single-process schedulers\)$"):
+                       r"use 'tcp' \('local' is for Dask's single-process schedulers; "
+                       r"check mpshuffle.comm in dask.config\)$"):
         bootstrap_dask_cluster(client, comm="local")
     # The refused option changed nothing: the default bootstrap still works.
     assert bootstrap_dask_cluster(client).nranks == 2

@@ -63,6 +63,22 @@ class Options:
     pool_size: float | None = None
     batch_bytes: int = 4 * 2**20
 
+    def check_distributed(self) -> None:
+        """Refuse options that cannot connect the worker processes of a distributed cluster.
+
+        Raises
+        ------
+        OptionError
+            If ``comm`` is not ``"tcp"`` (``"local"`` is for Dask's
+            single-process schedulers; it may come from ``mpshuffle.comm`` in
+            dask.config as well as from a keyword argument).
+        """
+        if self.comm != "tcp":
+            raise OptionError(
+                f"comm={self.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
+                "('local' is for Dask's single-process schedulers; check mpshuffle.comm in dask.config)"
+            )
+
     def host_budget(self, memory_limit: int | None) -> int | None:
         """Host budget in bytes for a worker with ``memory_limit`` bytes.
 

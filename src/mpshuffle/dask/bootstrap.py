@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from mpshuffle.config import resolve_options
 from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
 from mpshuffle.dask.worker import PLUGIN_NAME, ShuffleWorkerPlugin
-from mpshuffle.errors import MPShuffleError, OptionError
+from mpshuffle.errors import MPShuffleError
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -86,11 +86,7 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
 
         client = get_client()
     opts = resolve_options(**options)
-    if opts.comm != "tcp":
-        raise OptionError(
-            f"comm={opts.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
-            "('local' is for Dask's single-process schedulers)"
-        )
+    opts.check_distributed()
     return client.sync(_bootstrap, client, dataclasses.asdict(opts))
 
 

@@ -192,13 +192,7 @@ def _warm_up() -> None:
     from mpshuffle.dask.bootstrap import register_plugins
 
     options = resolve_options()
-    if options.comm != "tcp":
-        from mpshuffle.errors import OptionError
-
-        raise OptionError(
-            f"comm={options.comm!r} (mpshuffle.comm in dask.config) cannot connect the workers of a "
-            "distributed cluster; use 'tcp' ('local' is for Dask's single-process schedulers)"
-        )
+    options.check_distributed()
     register_plugins(client)
     # Options resolved here only seed the first generation: one the user
     # bootstrapped with keyword arguments (spill_host=...) must be kept, not

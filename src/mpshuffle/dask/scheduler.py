@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from mpshuffle.config import Options, resolve_options
-from mpshuffle.errors import BootstrapError
+from mpshuffle.errors import BootstrapError, OptionError
 from mpshuffle.table import partition_owner
 
 if TYPE_CHECKING:
@@ -185,13 +185,12 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         gen = self.generation
         # Options outlive a generation dropped because a worker left.
         opts = Options(**options) if options is not None else (self._options or resolve_options())
-        if opts.comm != "tcp":
-            # Set in dask.config (mpshuffle.comm) and reached here without an
-            # explicit bootstrap, which checks it on the client.
-            raise BootstrapError(
-                f"comm={opts.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
-                "('local' is for Dask's single-process schedulers; see mpshuffle.comm in dask.config)"
-            )
+        try:
+            # mpshuffle.comm in dask.config reaches here without a client-side check
+            # when the first task bootstraps.
+            opts.check_distributed()
+        except OptionError as e:
+            raise BootstrapError(str(e)) from None
         if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:
             return {**gen.describe(), "bootstrapped": False}
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)
