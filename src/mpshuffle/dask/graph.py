@@ -31,7 +31,6 @@ from mpshuffle.dask.device import is_device_meta
 from mpshuffle.errors import ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns
-from mpshuffle.table.cudf import to_device_table
 from mpshuffle.table.device import DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
 
@@ -268,7 +267,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
         )
         if is_device_meta(spec.meta):
             # Device tables stay on the GPU; they move over NCCL at the barrier.
-            table = frame if isinstance(frame, DeviceTable) else to_device_table(frame)
+            table = adapter.device_table(frame)  # a cudf frame as zero-copy CuPy columns
             ids = None if spec.partitioner is None else _device_ids(table, frame, spec)
             ctx.shuffler(run.op_id, device=True).insert(
                 input_index, table, spec.on, spec.npartitions, ids

@@ -103,6 +103,10 @@ class CudfAdapter(FrameAdapter):
     def matches(self, obj: object) -> bool:
         return is_cudf_frame(obj)
 
+    def device_table(self, frame: Any) -> DeviceTable:
+        """The frame's columns as a :class:`DeviceTable` (:func:`to_device_table`)."""
+        return to_device_table(frame)
+
     def column_names(self, frame: Any) -> list[Any]:
         return list(frame.columns)
 

@@ -327,6 +327,10 @@ class DeviceAdapter(FrameAdapter):
     def matches(self, obj: object) -> bool:
         return isinstance(obj, DeviceTable)
 
+    def device_table(self, frame: DeviceTable) -> DeviceTable:
+        """``frame`` itself: the form the device run path takes (see the cudf adapter)."""
+        return frame
+
     def column_names(self, frame: DeviceTable) -> list[Any]:
         return frame.names
 
