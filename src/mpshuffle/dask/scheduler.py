@@ -40,6 +40,7 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -309,17 +310,12 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 self._by_op.popitem(last=False)
             gen.runs.add(run.op_id)
             self._barrier_keys[barrier_name] = token
-            members = set(gen.workers)
-            restrictions: dict[Any, Any] = {
-                key: gen.workers[partition_owner(j, len(gen.workers))] for j, key in enumerate(keys) if key in tasks
-            }
             # Tasks that have not started yet run only on ranks of the generation;
             # one that already started on another worker is rescheduled by the task itself.
-            for key in [*insert_keys, barrier_name]:
-                ts = tasks.get(key)
-                if ts is not None and ts.state in ("released", "waiting", "no-worker"):
-                    restrictions[key] = members
-            self.scheduler.set_restrictions(restrictions)
+            self.scheduler.set_restrictions(_pins(
+                run, tasks.__contains__,
+                lambda key: key in tasks and tasks[key].state in ("released", "waiting", "no-worker"),
+            ))
             return self._describe(run)
 
     @staticmethod
@@ -388,15 +384,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         touched = set(tasks)
         restrictions: dict[Any, Any] = {}
         for run in self.runs.values():
-            if run.error is not None:
-                continue
-            workers = run.generation.workers
-            for j, key in enumerate(run.extract_keys):
-                if key in touched:
-                    restrictions[key] = workers[partition_owner(j, len(workers))]
-            for key in [*run.insert_keys, run.barrier_key]:
-                if key in touched:
-                    restrictions[key] = set(workers)
+            if run.error is None:
+                restrictions.update(_pins(run, touched.__contains__, touched.__contains__))
         if restrictions:
             scheduler.set_restrictions(restrictions)
 
@@ -499,6 +488,23 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             if self.generation is gen:
                 self.generation = None
             self._maybe_close(gen)
+
+
+def _pins(
+    run: _Run, extract_wanted: Callable[[Any], bool], other_wanted: Callable[[Any], bool]
+) -> dict[Any, Any]:
+    """Restrictions of ``run``'s tasks: each wanted extract task to the worker
+    owning its output partition (``partition_owner``), wanted insert and
+    barrier tasks to the generation's workers."""
+    workers = run.generation.workers
+    pins: dict[Any, Any] = {
+        key: workers[partition_owner(j, len(workers))]
+        for j, key in enumerate(run.extract_keys) if extract_wanted(key)
+    }
+    for key in [*run.insert_keys, run.barrier_key]:
+        if other_wanted(key):
+            pins[key] = set(workers)
+    return pins
 
 
 _WRAPPED = re.compile(r"^(\w+)\((['\"])(.*)\2\)$", re.DOTALL)
