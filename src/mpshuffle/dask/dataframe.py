@@ -126,7 +126,7 @@ except ImportError:  # pragma: no cover - older dask
 else:
 
     class _ShuffleOutput(_FromGraph):  # type: ignore[no-redef]
-        """A graph collection named like its partitions' keys (the extract keys)."""
+        """A graph collection named like its partitions' keys ``(name, j)``: no alias task per partition."""
 
         @functools.cached_property
         def _name(self) -> str:
