@@ -396,7 +396,7 @@ class DeviceRun:
         self._adapter = DeviceAdapter()
         # Received pieces go to disk into one file per output partition (an
         # extract reads one file); outbox buffers whole, one file each, below it.
-        path = os.path.join(resource.spill_dir, f"{resource.spill_prefix}-op{op_id}-r{comm.rank}")
+        path = resource.spill_path(f"op{op_id}-r{comm.rank}")  # named as the host path's postbox
         self._spill_in = SpillDirectory(path, owner=resource.owner)
         self._spill_out = SpillDirectory(os.path.join(path, "outbox"), owner=resource.owner)
         self._outbox_keys = itertools.count()

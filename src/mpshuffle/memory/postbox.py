@@ -10,7 +10,6 @@ spilled as a whole: keeping a single piece would pin the whole buffer.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,9 +60,7 @@ class Postbox:
     def __init__(self, resource: BufferResource, name: str) -> None:
         self.resource = resource
         self.name = name
-        self.spill = SpillDirectory(
-            os.path.join(resource.spill_dir, f"{resource.spill_prefix}-{name}"), owner=resource.owner
-        )
+        self.spill = SpillDirectory(resource.spill_path(name), owner=resource.owner)
         self._pieces: dict[int, list[tuple[Any, PackedData | _Spilled, Reservation]]] = {}
         self._lock = threading.Lock()
         self._error: SpillError | None = None

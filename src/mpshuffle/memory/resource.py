@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import tempfile
 import threading
 
@@ -69,6 +70,11 @@ class BufferResource:
         self._used = {mt: 0 for mt in MemoryType}
         self._peak = {mt: 0 for mt in MemoryType}
         self._lock = threading.Lock()
+
+    def spill_path(self, name: str) -> str:
+        """The spill directory of the part of the worker called ``name`` (a run on a rank):
+        ``<spill_dir>/<spill_prefix>-<name>``."""
+        return os.path.join(self.spill_dir, f"{self.spill_prefix}-{name}")
 
     def limit(self, memory_type: MemoryType) -> int | None:
         """Budget of ``memory_type`` in bytes, or ``None`` if unbounded."""
