@@ -28,6 +28,7 @@ Run: ``python benchmarks/gpu_peer_bench.py --rows-per-part 100000 6250000 100000
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
@@ -204,7 +205,7 @@ def main() -> None:
                 for m in order:
                     traced = m == "mpshuffle" and rep == args.reps - 1
                     try:
-                        with get_task_stream(client) if traced else _null() as ts:
+                        with get_task_stream(client) if traced else contextlib.nullcontext() as ts:
                             t0w, t0 = time.time(), time.perf_counter()
                             out = builders[m](df).persist()
                             wait(out, timeout=300)
@@ -228,16 +229,6 @@ def main() -> None:
             del df
             time.sleep(1.0)
     _log(t_start, "done")
-
-
-class _null:
-    """A stand-in for ``get_task_stream`` when no time line is recorded."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 if __name__ == "__main__":
