@@ -1,0 +1,114 @@
+"""Where a device insert's time goes, on one GPU, without Dask.
+
+A :class:`~mpshuffle.dask.device.DeviceRun` of a 2-rank run (only inserts,
+which need no peer) packs ``--inserts`` tables of an int64 key and three
+float64 columns. Printed per table size:
+
+* wall milliseconds per insert (GPU synchronized after each);
+* the same split into its steps (hash to partition ids, partition order,
+  pack), each synchronized;
+* a cProfile of the inserts, the functions with the most own time.
+
+Run: ``python benchmarks/gpu_insert_profile.py --rows 100000 10000000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import tempfile
+import time
+import types
+from typing import Any
+
+import numpy as np
+
+
+def _table(xp: Any, rows: int, seed: int) -> Any:
+    from mpshuffle.table.device import DeviceTable
+
+    rng = xp.random.default_rng(seed)
+    return DeviceTable({
+        "key": rng.integers(0, 2**30, rows, dtype=np.int64),
+        "a": rng.random(rows), "b": rng.random(rows), "c": rng.random(rows),
+    })
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", type=int, nargs="+", default=[100_000, 10_000_000])
+    ap.add_argument("--inserts", type=int, default=16)
+    ap.add_argument("--npartitions", type=int, default=64)
+    args = ap.parse_args()
+
+    import cupy as xp
+
+    from mpshuffle.dask.device import DeviceRun, DeviceState
+    from mpshuffle.memory import BufferResource
+    from mpshuffle.table.device import DeviceAdapter, pack_sorted, partition_order, rank_major_pids
+
+    sync = xp.cuda.Device().synchronize
+    comm = types.SimpleNamespace(rank=0, nranks=2, addresses=["a", "b"])
+    state = DeviceState(0, 10**13, 0)
+    npart = args.npartitions
+    for rows in args.rows:
+        tables = [_table(xp, rows, s) for s in range(4)]
+        run = DeviceRun(comm, 1, resource=BufferResource(spill_dir=tempfile.mkdtemp()), state=state,
+                        key="p", timeout=10)
+        for i in range(2):
+            run.insert(i, tables[i % 4], ["key"], npart)
+        sync()
+        t = []
+        for i in range(args.inserts):
+            t0 = time.perf_counter()
+            run.insert(100 + i, tables[i % 4], ["key"], npart)
+            sync()
+            t.append(time.perf_counter() - t0)
+        print(f"rows {rows}: insert ms min {1e3 * min(t):.2f} median {1e3 * float(np.median(t)):.2f}")
+        ad = DeviceAdapter()
+        steps: dict[str, list[float]] = {"ids": [], "order": [], "pack": []}
+        for i in range(args.inserts):
+            tb = tables[i % 4]
+            t0 = time.perf_counter()
+            ids = ad.partition_ids(tb, ["key"], npart)
+            sync()
+            t1 = time.perf_counter()
+            order, counts = partition_order(ids, npart, 2)
+            sync()
+            t2 = time.perf_counter()
+            pack_sorted(tb, order, counts, rank_major_pids(npart, 2))
+            sync()
+            t3 = time.perf_counter()
+            steps["ids"].append(t1 - t0)
+            steps["order"].append(t2 - t1)
+            steps["pack"].append(t3 - t2)
+        print("  steps ms (median):", {k: round(1e3 * float(np.median(v)), 3) for k, v in steps.items()})
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(args.inserts):
+            run.insert(200 + i, tables[i % 4], ["key"], npart)
+        sync()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
+        print("\n".join(s.getvalue().splitlines()[:40]))
+        run.close()
+        del tables
+        xp.get_default_memory_pool().free_all_blocks()
+    # Calibration: the cost of small CuPy operations on this machine.
+    small = np.arange(64, dtype=np.int64)
+    d = xp.asarray(small)
+    for name, fn in [("asarray(64)", lambda: xp.asarray(small)), ("get(64)", lambda: d.get()),
+                     ("empty(1MB)", lambda: xp.empty(1 << 20, dtype=np.uint8)), ("d+1", lambda: d + 1)]:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        sync()
+        print(f"  {name}: {1e6 * (time.perf_counter() - t0) / 200:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
