@@ -220,3 +220,29 @@ def test_cudf_adapter_round_trip() -> None:
         want = df[expected == pid].reset_index(drop=True)
         pd.testing.assert_frame_equal(got.to_pandas(), pd.concat([want, want], ignore_index=True))
         del junk
+
+
+def test_batched_copy_on_the_gpu_equals_the_host_copy() -> None:
+    """Every unit width (16, 8, 4, 2, 1 byte), segments of many chunks, segments of 0 bytes."""
+    from mpshuffle.memory.device import batched_copy
+
+    rng = np.random.default_rng(5)
+    src_h = [rng.integers(0, 256, n, dtype=np.uint8) for n in (300_000, 1_000)]
+    dst_h = [np.zeros(n, dtype=np.uint8) for n in (400_000, 2_000)]
+    seg = np.array([
+        [0, 0, 0, 0, 200_000],  # 16-byte units, 4 chunks
+        [0, 200_008, 0, 200_008, 24],  # 8
+        [0, 250_004, 0, 250_012, 12],  # 4
+        [0, 260_002, 0, 260_006, 6],  # 2
+        [0, 270_001, 1, 3, 999],  # 1
+        [1, 0, 0, 300_000, 1_000],  # 8 (16 does not divide 300_000 + base)
+        [1, 5, 0, 399_000, 0],  # nothing
+    ])
+    src_d = [cupy.asarray(a) for a in src_h]
+    dst_d = [cupy.asarray(a) for a in dst_h]
+    batched_copy(src_h, dst_h, seg)
+    batched_copy(src_d, dst_d, seg)
+    cupy.cuda.get_current_stream().synchronize()
+    for h, d in zip(dst_h, dst_d, strict=True):
+        np.testing.assert_array_equal(d.get(), h)
+    assert dst_h[0][:200_000].tolist() == src_h[0][:200_000].tolist()
