@@ -7,7 +7,10 @@ float64 columns. Printed per table size:
 * wall milliseconds per insert (GPU synchronized after each);
 * the same split into its steps (hash to partition ids, partition order,
   pack), each synchronized;
-* a cProfile of the inserts, the functions with the most own time.
+* a cProfile of the inserts, the functions with the most own time;
+* with ``--cudf``: the cudf adapter's conversions (a frame's columns as a
+  device table at insert; an output frame from one consolidated piece, and
+  from 64 pieces, at extract).
 
 Run: ``python benchmarks/gpu_insert_profile.py --rows 100000 10000000``.
 """
@@ -36,11 +39,39 @@ def _table(xp: Any, rows: int, seed: int) -> Any:
     })
 
 
+def _timed(fn: Any, sync: Any, reps: int = 50) -> float:
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def _cudf_costs(xp: Any, sync: Any) -> None:
+    import cudf
+
+    from mpshuffle.table.cudf import CudfAdapter, to_device_table
+    from mpshuffle.table.device import DeviceAdapter
+
+    t = _table(xp, 1_000_000, 9)
+    df = cudf.DataFrame(dict(t.columns))
+    meta = df.iloc[:0]
+    ad, dev = CudfAdapter(), DeviceAdapter()
+    one = list(dev.split(t, ["key"], 1).values())
+    many = list(dev.split(t, ["key"], 64).values())
+    print("cudf ms: to_device_table", round(_timed(lambda: to_device_table(df), sync), 3),
+          "| unpack 1 piece", round(_timed(lambda: ad.unpack(one, meta), sync), 3),
+          "| unpack 64 pieces", round(_timed(lambda: ad.unpack(many, meta), sync), 3))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[100_000, 10_000_000])
     ap.add_argument("--inserts", type=int, default=16)
     ap.add_argument("--npartitions", type=int, default=64)
+    ap.add_argument("--cudf", action="store_true")
     args = ap.parse_args()
 
     import cupy as xp
@@ -97,6 +128,8 @@ def main() -> None:
         run.close()
         del tables
         xp.get_default_memory_pool().free_all_blocks()
+    if args.cudf:
+        _cudf_costs(xp, sync)
     # Calibration: the cost of small CuPy operations on this machine.
     small = np.arange(64, dtype=np.int64)
     d = xp.asarray(small)

@@ -10,7 +10,12 @@ shuffled on ``key`` into as many output partitions:
   after ``rapidsmpf.integrations.dask.bootstrap_dask_cluster(client)``;
 * ``mpshuffle``: ``mpshuffle.dask.shuffle(df, on="key", ignore_index=True)``
   after ``mpshuffle.dask.bootstrap_dask_cluster(client)`` (cudf partitions
-  take mpshuffle's device path: hash and pack on each GPU, NCCL between them).
+  take mpshuffle's device path: hash and pack on each GPU, NCCL between them);
+* ``floor`` (with ``--floor``): Dask alone, a graph of the same shape that
+  moves no data (one no-op task per input partition, a barrier task, one
+  task per output partition returning an empty frame), submitted and waited
+  for like the shuffles: the fixed cost of any shuffle expressed as tasks on
+  this cluster.
 
 Seconds: from building the shuffle of the persisted input until its output is
 persisted (every output partition exists on a GPU). GB/s per GPU = that GPU's
@@ -78,6 +83,33 @@ def summarize(ddf: Any) -> dict[str, Any]:
             "empty": int((s.rows == 0).sum()), "partitions": len(s)}
 
 
+def _noop(*args: Any) -> int:
+    return 0
+
+
+def _empty_out(barrier: int, j: int, meta: Any) -> Any:
+    return meta
+
+
+def floor_run(client: Any, df: Any, meta: Any) -> float:
+    """Seconds for Dask to run a no-op graph shaped like a shuffle of ``df`` (see the docstring)."""
+    from distributed import wait
+
+    token = os.urandom(6).hex()
+    keys = df.__dask_keys__()
+    graph: dict[Any, Any] = {(f"floor-insert-{token}", i): (_noop, k) for i, k in enumerate(keys)}
+    graph[f"floor-barrier-{token}"] = (_noop, *graph)
+    outs = [(f"floor-extract-{token}", j) for j in range(len(keys))]
+    for j, k in enumerate(outs):
+        graph[k] = (_empty_out, f"floor-barrier-{token}", j, meta)
+    t0 = time.perf_counter()
+    futs = client.get(graph, outs, sync=False)
+    wait(futs, timeout=120)
+    secs = time.perf_counter() - t0
+    del futs
+    return secs
+
+
 def mpshuffle_stats(dask_worker: Any) -> dict[str, Any]:
     """mpshuffle's statistics of the last run on this worker."""
     from mpshuffle.dask.worker import PLUGIN_NAME
@@ -112,6 +144,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--methods", default="rapidsmpf,mpshuffle")
     ap.add_argument("--rmm-pool", default="60GB")
+    ap.add_argument("--floor", action="store_true", help="also time a no-op graph of the same shape")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
@@ -202,6 +235,9 @@ def main() -> None:
             result(step="input", rows_per_part=rows, nparts=args.nparts, gb_per_gpu=gb_per_gpu,
                    global_nunique=global_nunique, **want)
             for rep in range(args.reps):
+                if args.floor:
+                    secs = floor_run(client, df, meta)
+                    result(step="floor", rep=rep, gb_per_gpu=gb_per_gpu, seconds=secs)
                 for m in order:
                     traced = m == "mpshuffle" and rep == args.reps - 1
                     try:
