@@ -9,6 +9,7 @@
 #   peer    benchmarks/gpu_peer_bench.py: rapidsmpf and mpshuffle, same cluster and data
 #   nodask  benchmarks/gpu_bench.py: no Dask, raw NCCL all-to-all and CuPy partition limits
 #   ucxx    benchmarks/gpu_ucxx_bench.py: UCXX next to NCCL between the two GPUs
+#   profile benchmarks/gpu_insert_profile.py --cudf: where a device insert's time goes
 # mpshuffle itself is not installed: src/ goes first on PYTHONPATH.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -22,13 +23,15 @@ for step in "$@"; do
     setup) bash "$ANCHOR/setup.sh" > "$OUT/setup.log" 2>&1; echo "setup rc=$?"; tail -40 "$OUT/setup.log" ;;
     tests) (env_on && set -o pipefail && timeout 300 python3 -m pytest -p no:cacheprovider -o timeout=300 -v -rs \
              tests/test_gpu.py tests/test_gpu_dask.py tests/test_gpu_cuda_cluster.py \
-             $(ls tests/test_device_run_spill.py 2>/dev/null) 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60) ;;
+             tests/test_device_run_spill.py tests/test_device_run_consolidate.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60) ;;
     peer) (env_on && timeout 560 python3 benchmarks/gpu_peer_bench.py --out "$OUT" ${PEER_ARGS:-} 2>&1 \
              | tee "$OUT/peer.log" | grep -v "^RESULT" | tail -30) ;;
     nodask) (env_on && timeout 300 python3 benchmarks/gpu_bench.py --gb 10 --reps 3 --spill 10 \
              --out "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/nodask.log" | tail -30) ;;
     ucxx) (env_on && timeout 200 python3 benchmarks/gpu_ucxx_bench.py --gb 1 4 --reps 3 --out "$OUT" 2>&1 \
              | tee "$OUT/ucxx.log" | tail -30) ;;
+    profile) (env_on && timeout 200 python3 benchmarks/gpu_insert_profile.py --cudf 2>&1 \
+             | tee "$OUT/profile.log" | tail -100) ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
