@@ -21,8 +21,10 @@ are the same.
   generation; its unique id travels over the host communicator and its
   blocking join happens on this thread), the byte ranges and piece headers
   go to every peer over the host communicator, then the outbox buffers move
-  in *rounds*, one input buffer per rank and round, each round one grouped
-  NCCL send/receive straight between the GPUs. Received buffers are
+  in *rounds*, each round one grouped NCCL send/receive straight between the
+  GPUs of the next few input buffers of every rank (as many as the most
+  constrained rank's device budget leaves room for, sent along with the
+  headers; one where a rank is over its budget). Received buffers are
   accounted as ``DEVICE`` and spilled to host (and on to disk) past the
   budgets after each round, so the device holds about the budget plus one
   round. An outbox buffer on disk is read back to host for its round. After
@@ -47,7 +49,8 @@ written whole into ``outbox/``, to be read back for its exchange round.
 
 Rounds keep NCCL's rule that both sides post their transfers in the same
 order without further messages: every rank knows, from the headers, which
-peer sends what in round ``k``.
+peer sends what in which input slot, and all ranks take the same slots per
+round (the smallest any rank announced).
 
 Limitations: exchanges of one generation run one at a time on each rank, in
 the order their ``inputs-done`` arrived; two device shuffles whose barriers
@@ -81,7 +84,7 @@ from mpshuffle.table.cudf import is_cudf_frame
 from mpshuffle.table.device import (
     DeviceAdapter,
     DeviceTable,
-    column_offsets,
+    column_blocks,
     pack_sorted,
     partition_order,
     piece_dtypes,
@@ -687,68 +690,86 @@ class DeviceRun:
             for dest in reply_to:
                 self._ack(dest)
 
+    def _slots_per_round(self, outbox: list[_Outgoing]) -> int:
+        """How many input slots this rank can take per round under the device budget.
+
+        A round holds, for a moment, the slots' outbox ranges and what they
+        bring in; with about as much coming in as going out, a slot costs
+        twice the largest outbox buffer. At least 1.
+        """
+        available = self.resource.available(MemoryType.DEVICE)
+        if available is None:
+            return max(1, len(outbox))
+        biggest = max((end for o in outbox for _, end, _ in o.ranges.values()), default=0)
+        return max(1, int(available // max(1, 2 * biggest)))
+
     def _exchange(self, state: DeviceState | None) -> None:
         comm, rank, nranks = self.comm, self.comm.rank, self.comm.nranks
         t0 = time.perf_counter()
         with self._lock:
             outbox = sorted(self._outbox, key=lambda o: o.input_index)
+        per_round = self._slots_per_round(outbox)
         tag = (_XTAG, self.op_id, "headers")
         for dest in range(nranks):
             if dest != rank:
-                header = [
-                    [o.input_index, *o.ranges.get(dest, (0, 0, [])), o.meta]
-                    for o in outbox
-                ]
-                comm.send_nowait(dest, tag, [msgpack.packb(header)])
+                entries = [[o.input_index, *o.ranges.get(dest, (0, 0, [])), o.meta] for o in outbox]
+                comm.send_nowait(dest, tag, [msgpack.packb({"per_round": per_round, "entries": entries})])
         headers: dict[int, list[Any]] = {}
         for src in range(nranks):
             if src != rank:
                 try:
-                    headers[src] = msgpack.unpackb(bytes(comm.recv(src, tag, self.timeout)[0]))
+                    header = msgpack.unpackb(bytes(comm.recv(src, tag, self.timeout)[0]))
                 except Exception as e:
                     raise ShuffleError(f"piece headers from rank {src} failed: {e}") from e
+                headers[src] = header["entries"]
+                # Every rank takes the smallest count of any rank: all post the same slots per round.
+                per_round = min(per_round, int(header["per_round"]))
         transport = state.transport(comm, self.key, self.timeout) if state and nranks > 1 else None
         t1 = time.perf_counter()
         self.statistics["seconds_headers"] += t1 - t0
-        nrounds = max([len(outbox)] + [len(h) for h in headers.values()])
-        for k in range(nrounds):
+        nslots = max([len(outbox)] + [len(h) for h in headers.values()])
+        for first in range(0, nslots, per_round):
             self._raise_if_failed()
             tr = time.perf_counter()
             sends: dict[int, list[Any]] = {}
             recvs: dict[int, list[Any]] = {}
             got: list[_Incoming] = []
-            out = outbox[k] if k < len(outbox) else None
-            if out is not None and out.buffer is not None:
-                self._load(out.buffer)
-                data = out.buffer.data
-                for dest, (start, end, pieces) in out.ranges.items():
-                    part = data[start:end]
-                    if dest == rank:
-                        # A compact copy, so the outbox buffer can go after the round.
-                        own = part.copy()
-                        res = self.resource.reserve(
-                            MemoryType.DEVICE if out.buffer.on_device else MemoryType.HOST, int(own.nbytes)
-                        )
-                        got.append(
-                            _Incoming(out.input_index, rank, _Buffer(own, res, out.buffer.on_device), pieces, out.meta)
-                        )
-                    else:
-                        sends[dest] = [part if out.buffer.on_device else _to_device(part)]
-                        self.statistics["bytes_sent"] += end - start
-            for src, header in headers.items():
-                if k < len(header) and header[k][2] > header[k][1]:
-                    input_index, start, end, pieces, meta = header[k]
-                    buf = _empty_device(end - start)
-                    recvs[src] = [buf]
-                    res = self.resource.reserve(MemoryType.DEVICE, end - start)
-                    got.append(_Incoming(input_index, src, _Buffer(buf, res), [tuple(p) for p in pieces], meta))
+            outs = [o for o in outbox[first : first + per_round] if o.buffer is not None]
+            # In slot order on both sides: NCCL matches a peer's sends and receives by order.
+            for k in range(first, min(first + per_round, nslots)):
+                out = outbox[k] if k < len(outbox) else None
+                if out is not None and out.buffer is not None:
+                    self._load(out.buffer)
+                    data = out.buffer.data
+                    for dest, (start, end, pieces) in out.ranges.items():
+                        part = data[start:end]
+                        if dest == rank:
+                            # A compact copy, so the outbox buffer can go after the round.
+                            own = part.copy()
+                            res = self.resource.reserve(
+                                MemoryType.DEVICE if out.buffer.on_device else MemoryType.HOST, int(own.nbytes)
+                            )
+                            got.append(_Incoming(
+                                out.input_index, rank, _Buffer(own, res, out.buffer.on_device), pieces, out.meta
+                            ))
+                        else:
+                            sends.setdefault(dest, []).append(part if out.buffer.on_device else _to_device(part))
+                            self.statistics["bytes_sent"] += end - start
+                for src, header in headers.items():
+                    if k < len(header) and header[k][2] > header[k][1]:
+                        input_index, start, end, pieces, meta = header[k]
+                        buf = _empty_device(end - start)
+                        recvs.setdefault(src, []).append(buf)
+                        res = self.resource.reserve(MemoryType.DEVICE, end - start)
+                        got.append(_Incoming(input_index, src, _Buffer(buf, res), [tuple(p) for p in pieces], meta))
             if sends or recvs:
                 assert transport is not None
                 transport.exchange(sends, recvs)
             del sends, recvs
-            if out is not None and out.buffer is not None:
-                out.buffer.release()
-                out.buffer = None
+            for out in outs:
+                if out.buffer is not None:
+                    out.buffer.release()
+                    out.buffer = None
             with self._lock:
                 if self._freed:  # the run failed meanwhile; nothing else would release these
                     for g in got:
@@ -791,43 +812,51 @@ class DeviceRun:
         meta = incoming[0].meta
         if any(not i.buffer.on_device or i.buffer.disk is not None or i.meta != meta for i in incoming):
             return
-        dtypes = piece_dtypes(meta)
-        items = [d.itemsize for d in dtypes]
-        parts: dict[int, list[tuple[int, int, int]]] = {}
-        for k, inc in enumerate(incoming):
-            for pid, off, _, rows in inc.pieces:
-                parts.setdefault(pid, []).append((k, off, rows))
-        pids = sorted(parts)
-        rows_of = [sum(r for _, _, r in parts[p]) for p in pids]
-        sizes = [column_offsets(n, dtypes)[1] for n in rows_of]
+        items = np.array([d.itemsize for d in piece_dtypes(meta)], dtype=np.int64)
+        # One row per received piece: (piece's buffer, byte offset there, pid, rows).
+        table = np.array(
+            [(k, off, pid, rows) for k, inc in enumerate(incoming) for pid, off, _, rows in inc.pieces],
+            dtype=np.int64,
+        ).reshape(-1, 4)
+        # Stable by pid: within a partition pieces stay in (input, source) order.
+        table = table[np.argsort(table[:, 2], kind="stable")]
+        pids, first, counts = np.unique(table[:, 2], return_index=True, return_counts=True)
+        rows = table[:, 3]
+        totals = np.add.reduceat(rows, first) if len(rows) else np.zeros(0, dtype=np.int64)
+        # Row of each piece within its partition's output.
+        before = np.cumsum(rows) - rows
+        row_in_part = before - np.repeat(before[first], counts)
+        blocks_in = column_blocks(rows, items)  # pieces x columns
+        blocks_out = column_blocks(totals, items)  # partitions x columns
+        sizes = blocks_out.sum(axis=1)
         available = self.resource.available(MemoryType.DEVICE)
-        if available is not None and available < sum(sizes):
+        if available is not None and available < int(sizes.sum()):
             return
         xp = np if isinstance(incoming[0].buffer.data, np.ndarray) else _cupy()
-        outputs = [xp.empty(n, dtype=np.uint8) for n in sizes]
-        segments = []
-        for j, (pid, total) in enumerate(zip(pids, rows_of, strict=True)):
-            out_offs, _ = column_offsets(total, dtypes)
-            row = 0
-            for k, off, rows in parts[pid]:
-                in_offs, _ = column_offsets(rows, dtypes)
-                for c, item in enumerate(items):
-                    segments.append((k, off + in_offs[c], j, out_offs[c] + row * item, rows * item))
-                row += rows
+        outputs = [xp.empty(int(n), dtype=np.uint8) for n in sizes]
+        part_of_piece = np.repeat(np.arange(len(pids)), counts)
+        ncols = len(items)
+        segments = np.empty((len(table), ncols, 5), dtype=np.int64)
+        segments[:, :, 0] = table[:, 0:1]
+        segments[:, :, 1] = table[:, 1:2] + (np.cumsum(blocks_in, axis=1) - blocks_in)
+        segments[:, :, 2] = part_of_piece[:, None]
+        out_offs = (np.cumsum(blocks_out, axis=1) - blocks_out)[part_of_piece]
+        segments[:, :, 3] = out_offs + row_in_part[:, None] * items[None, :]
+        segments[:, :, 4] = rows[:, None] * items[None, :]
         with self._scope():
-            batched_copy([i.buffer.data for i in incoming], outputs, np.array(segments, dtype=np.int64))
+            batched_copy([i.buffer.data for i in incoming], outputs, segments.reshape(-1, 5))
             if xp is not np:
                 xp.cuda.get_current_stream().synchronize()
         with self._lock:
             if self._freed:
                 return
-            for pid, n, out, size in zip(pids, rows_of, outputs, sizes, strict=True):
+            for pid, n, out, size in zip(pids.tolist(), totals.tolist(), outputs, sizes.tolist(), strict=True):
                 res = self.resource.reserve(MemoryType.DEVICE, size)
                 self._outputs[pid] = _Output(_Buffer(out, res), n, meta)
             for inc in self._incoming:
                 inc.buffer.release()
             self._incoming = []
-            self.statistics["bytes_consolidated"] += sum(sizes)
+            self.statistics["bytes_consolidated"] += int(sizes.sum())
             self.statistics["seconds_consolidate"] += time.perf_counter() - t0
 
     # -- extract (task thread) ----------------------------------------------

@@ -433,6 +433,27 @@ def column_offsets(nrows: int, dtypes: Sequence[Any]) -> tuple[list[int], int]:
     return offs, total
 
 
+def column_blocks(nrows: Any, itemsizes: Any) -> Any:
+    """Bytes of every column block of packed pieces: ``align64(nrows * itemsize)``.
+
+    Parameters
+    ----------
+    nrows
+        ``int64`` rows of each piece, shape ``(k,)``.
+    itemsizes
+        ``int64`` item size of each column, shape ``(c,)``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64``, shape ``(k, c)``; a piece's column ``j`` starts at the
+        sum of its blocks before ``j`` (:func:`column_offsets` for one piece).
+    """
+    n = np.asarray(nrows, dtype=np.int64)
+    items = np.asarray(itemsizes, dtype=np.int64)
+    return (n[:, None] * items[None, :] + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 def piece_metadata(names: Sequence[str], dtypes: Sequence[Any]) -> bytes:
     """The metadata of a packed device piece: the format, column names and dtypes (JSON).
 
@@ -442,6 +463,27 @@ def piece_metadata(names: Sequence[str], dtypes: Sequence[Any]) -> bytes:
     return json.dumps(
         {"format": _FORMAT, "names": list(names), "dtypes": [np.dtype(d).str for d in dtypes]}
     ).encode()
+
+
+def piece_dtypes(metadata: bytes) -> list[np.dtype[Any]]:
+    """The column dtypes named by a packed device piece's metadata (:func:`piece_metadata`).
+
+    Raises
+    ------
+    ShuffleError
+        If the metadata is not of this adapter's format.
+    """
+    return [np.dtype(d) for d in _parse_metadata(metadata)["dtypes"]]
+
+
+def _parse_metadata(metadata: bytes) -> dict[str, Any]:
+    try:
+        meta = json.loads(bytes(metadata))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ShuffleError(f"packed piece is not in the device table format ({_FORMAT})")
+    return meta
 
 
 def pack_sorted(
@@ -473,8 +515,7 @@ def pack_sorted(
     keep = n > 0
     pids, n = pids[keep], n[keep]
     items = np.array([c.dtype.itemsize for c in frame.columns.values()], dtype=np.int64)
-    # Column block sizes of every piece (pieces x columns), 64-byte aligned.
-    blocks = (n[:, None] * items[None, :] + _ALIGN - 1) // _ALIGN * _ALIGN
+    blocks = column_blocks(n, items)  # pieces x columns
     sizes = blocks.sum(axis=1)
     starts = np.zeros(len(pids) + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
@@ -524,12 +565,7 @@ def unpack_piece(piece: PackedData) -> DeviceTable:
     ShuffleError
         If the metadata is not of this adapter's format.
     """
-    try:
-        meta = json.loads(bytes(piece.metadata))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise ShuffleError(f"packed piece is not in the device table format ({_FORMAT})")
+    meta = _parse_metadata(piece.metadata)
     data = piece.data
     dtypes = [np.dtype(d) for d in meta["dtypes"]]
     offs, _ = column_offsets(piece.nrows, dtypes)
