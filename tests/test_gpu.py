@@ -246,3 +246,23 @@ def test_batched_copy_on_the_gpu_equals_the_host_copy() -> None:
     for h, d in zip(dst_h, dst_d, strict=True):
         np.testing.assert_array_equal(d.get(), h)
     assert dst_h[0][:200_000].tolist() == src_h[0][:200_000].tolist()
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_device_split_equals_host_split(contiguous: bool) -> None:
+    """The pack kernel (contiguous columns) and the array-op path (strided) give the host's pieces."""
+    df = _frame(3001, seed=3)
+    host = DeviceTable.from_pandas(df, device=False)
+    if contiguous:
+        dev = DeviceTable.from_pandas(df)
+    else:  # every other element of twice as long arrays
+        dev = DeviceTable({k: cupy.repeat(cupy.asarray(v), 2)[::2] for k, v in host.columns.items()})
+        assert not dev.columns["i64"].flags.c_contiguous
+    want = DeviceAdapter().split(host, ["i64"], 17)
+    got = DeviceAdapter().split(dev, ["i64"], 17)
+    assert sorted(got) == sorted(want)
+    for pid, piece in want.items():
+        assert got[pid].nrows == piece.nrows and got[pid].metadata == piece.metadata
+        g, w = unpack_piece(got[pid]).to_host().columns, unpack_piece(piece).columns
+        for k in w:
+            np.testing.assert_array_equal(g[k], w[k], err_msg=f"pid {pid}, column {k}")
