@@ -91,22 +91,32 @@ def _empty_out(barrier: int, j: int, meta: Any) -> Any:
     return meta
 
 
-def floor_run(client: Any, df: Any, meta: Any) -> float:
-    """Seconds for Dask to run a no-op graph shaped like a shuffle of ``df`` (see the docstring)."""
+def floor_run(df: Any, meta: Any) -> float:
+    """Seconds for Dask to persist a no-op graph shaped like a shuffle of ``df`` (see the docstring).
+
+    Built like mpshuffle's shuffle graph (persisted input keys, no alias
+    tasks, one collection of the extract tasks) and persisted the same way.
+    """
     from distributed import wait
 
+    from mpshuffle.dask.dataframe import _collection, _skip_aliases
+
     token = os.urandom(6).hex()
-    keys = df.__dask_keys__()
-    graph: dict[Any, Any] = {(f"floor-insert-{token}", i): (_noop, k) for i, k in enumerate(keys)}
-    graph[f"floor-barrier-{token}"] = (_noop, *graph)
+    d = df.optimize()
+    graph = dict(d.__dask_graph__())
+    keys = _skip_aliases(graph, d.__dask_keys__())
+    inserts = [(f"floor-insert-{token}", i) for i in range(len(keys))]
+    for i, k in enumerate(keys):
+        graph[inserts[i]] = (_noop, k)
+    graph[f"floor-barrier-{token}"] = (_noop, *inserts)
     outs = [(f"floor-extract-{token}", j) for j in range(len(keys))]
     for j, k in enumerate(outs):
         graph[k] = (_empty_out, f"floor-barrier-{token}", j, meta)
     t0 = time.perf_counter()
-    futs = client.get(graph, outs, sync=False)
-    wait(futs, timeout=120)
+    out = _collection(graph, meta, len(outs), outs).persist()
+    wait(out, timeout=120)
     secs = time.perf_counter() - t0
-    del futs
+    del out
     return secs
 
 
@@ -120,21 +130,35 @@ def mpshuffle_stats(dask_worker: Any) -> dict[str, Any]:
 
 
 def timeline(records: list[dict[str, Any]], t0: float) -> dict[str, Any]:
-    """Phase start/end (seconds after ``t0``) from task-stream records."""
+    """Phase start/end (seconds after ``t0``) from task-stream records.
+
+    Also: seconds per startstop action other than ``compute`` (transfers,
+    spills), and per worker the extract tasks' starts and stops (ms after
+    ``t0``) to show gaps between them.
+    """
     phases: dict[str, list[float]] = {}
+    actions: dict[str, float] = {}
+    extracts: dict[str, list[tuple[int, int]]] = {}
     for r in records:
         name = str(r["key"])
         kind = next((k for k in ("insert", "barrier", "extract") if f"-{k}-" in name), "other")
         for ss in r["startstops"]:
             if ss["action"] != "compute":
+                actions[ss["action"]] = actions.get(ss["action"], 0.0) + ss["stop"] - ss["start"]
                 continue
             lo, hi = phases.setdefault(kind, [float("inf"), float("-inf"), 0, 0.0])[:2]
             p = phases[kind]
             p[0], p[1] = min(lo, ss["start"] - t0), max(hi, ss["stop"] - t0)
             p[2] += 1
             p[3] += ss["stop"] - ss["start"]
-    return {k: {"first_start": round(v[0], 4), "last_stop": round(v[1], 4), "tasks": v[2],
-                "busy_seconds": round(v[3], 4)} for k, v in phases.items()}
+            if kind == "extract":
+                extracts.setdefault(str(r.get("worker", "?")), []).append(
+                    (round(1e3 * (ss["start"] - t0)), round(1e3 * (ss["stop"] - t0))))
+    out: dict[str, Any] = {k: {"first_start": round(v[0], 4), "last_stop": round(v[1], 4), "tasks": v[2],
+                               "busy_seconds": round(v[3], 4)} for k, v in phases.items()}
+    out["other_actions_seconds"] = {k: round(v, 4) for k, v in actions.items()}
+    out["extract_ms_by_worker"] = {w: sorted(v) for w, v in extracts.items()}
+    return out
 
 
 def main() -> None:
@@ -236,7 +260,7 @@ def main() -> None:
                    global_nunique=global_nunique, **want)
             for rep in range(args.reps):
                 if args.floor:
-                    secs = floor_run(client, df, meta)
+                    secs = floor_run(df, meta)
                     result(step="floor", rep=rep, gb_per_gpu=gb_per_gpu, seconds=secs)
                 for m in order:
                     traced = m == "mpshuffle" and rep == args.reps - 1
