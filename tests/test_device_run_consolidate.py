@@ -101,3 +101,19 @@ def test_batched_copy_on_the_host_copies_every_segment_and_nothing_else() -> Non
     want0[3:8] = np.arange(10, 15)
     np.testing.assert_array_equal(dst[0], want0)
     np.testing.assert_array_equal(dst[1], np.arange(100, 108))
+
+
+def test_a_full_device_leaves_the_pieces_as_they_are(comm: LocalCommunicator, monkeypatch: Any) -> None:
+    import mpshuffle.dask.device as device
+
+    def full(xp: Any, sizes: list[int]) -> list[Any]:
+        raise MemoryError("out of device memory (test)")
+
+    monkeypatch.setattr(device, "_allocate", full)
+    inputs = [_host_table(i, 800) for i in range(3)]
+    resource = BufferResource()
+    run, pieces = _shuffle(comm, resource, inputs)
+    assert run.statistics["bytes_consolidated"] == 0
+    assert [len(p) for p in pieces] == [3] * NPART
+    _assert_partitions(pieces, inputs)
+    assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]

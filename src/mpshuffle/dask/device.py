@@ -735,6 +735,7 @@ class DeviceRun:
             recvs: dict[int, list[Any]] = {}
             got: list[_Incoming] = []
             outs = [o for o in outbox[first : first + per_round] if o.buffer is not None]
+            kept: set[int] = set()
             # In slot order on both sides: NCCL matches a peer's sends and receives by order.
             for k in range(first, min(first + per_round, nslots)):
                 out = outbox[k] if k < len(outbox) else None
@@ -744,14 +745,12 @@ class DeviceRun:
                     for dest, (start, end, pieces) in out.ranges.items():
                         part = data[start:end]
                         if dest == rank:
-                            # A compact copy, so the outbox buffer can go after the round.
-                            own = part.copy()
-                            res = self.resource.reserve(
-                                MemoryType.DEVICE if out.buffer.on_device else MemoryType.HOST, int(own.nbytes)
-                            )
-                            got.append(_Incoming(
-                                out.input_index, rank, _Buffer(own, res, out.buffer.on_device), pieces, out.meta
-                            ))
+                            # This rank's range stays where it is: the outbox buffer
+                            # (and its accounting) becomes a received buffer, its
+                            # pieces' offsets made relative to the whole buffer.
+                            kept.add(id(out))
+                            own = [(pid, off + start, nbytes, rows) for pid, off, nbytes, rows in pieces]
+                            got.append(_Incoming(out.input_index, rank, out.buffer, own, out.meta))
                         else:
                             sends.setdefault(dest, []).append(part if out.buffer.on_device else _to_device(part))
                             self.statistics["bytes_sent"] += end - start
@@ -767,15 +766,15 @@ class DeviceRun:
                 transport.exchange(sends, recvs)
             del sends, recvs
             for out in outs:
-                if out.buffer is not None:
+                if out.buffer is not None and id(out) not in kept:
                     out.buffer.release()
-                    out.buffer = None
+                out.buffer = None
             with self._lock:
                 if self._freed:  # the run failed meanwhile; nothing else would release these
                     for g in got:
                         g.buffer.release()
                 self._incoming.extend(got if not self._freed else [])
-                self.statistics["bytes_received"] += sum(int(g.buffer.data.nbytes) for g in got)
+                self.statistics["bytes_received"] += sum(p[2] for g in got for p in g.pieces)
                 self.statistics["rounds"] += 1
                 self.statistics["seconds_exchange"] += time.perf_counter() - tr
             self._spill_over_budget()
@@ -801,8 +800,9 @@ class DeviceRun:
         Skipped (extract then takes the pieces as they are) where a received
         buffer was spilled to host or disk, where the inputs' column dtypes
         differ (extract casts them), or where the partitions' bytes do not
-        fit in what is left of the device budget: for a moment the device
-        holds both forms.
+        fit in what is left of the device budget or on the device (the
+        allocation raised ``MemoryError``): for a moment the device holds
+        both forms.
         """
         t0 = time.perf_counter()
         with self._lock:
@@ -833,7 +833,11 @@ class DeviceRun:
         if available is not None and available < int(sizes.sum()):
             return
         xp = np if isinstance(incoming[0].buffer.data, np.ndarray) else _cupy()
-        outputs = [xp.empty(int(n), dtype=np.uint8) for n in sizes]
+        try:
+            outputs = _allocate(xp, sizes.tolist())
+        except MemoryError:  # the budget had room, the device not (Dask's data shares it)
+            logger.info("mpshuffle: op %d: no device memory to consolidate; extracts take the pieces", self.op_id)
+            return
         part_of_piece = np.repeat(np.arange(len(pids)), counts)
         ncols = len(items)
         segments = np.empty((len(table), ncols, 5), dtype=np.int64)
@@ -1025,6 +1029,11 @@ def _ptr(a: Any) -> int:
     if ptr is not None:  # CuPy
         return int(ptr)
     return int(a.__array_interface__["data"][0])
+
+
+def _allocate(xp: Any, sizes: list[int]) -> list[Any]:
+    """One ``uint8`` array of each size (``MemoryError`` where the device is full)."""
+    return [xp.empty(n, dtype=np.uint8) for n in sizes]
 
 
 def _cupy() -> Any:

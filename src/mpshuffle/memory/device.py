@@ -15,22 +15,28 @@ __all__ = ["batched_copy", "device_budget", "device_memory_bytes", "reserve_devi
 _CHUNK = 1 << 16
 _copy_kernel_cache: list[Any] = []
 _COPY_SOURCE = r"""
+template <typename T>
+__device__ void mpshuffle_copy_units(unsigned long long src, unsigned long long dst, long long nbytes)
+{
+    const T* s = (const T*)src;
+    T* d = (T*)dst;
+    const long long n = nbytes / (long long)sizeof(T);
+    #pragma unroll 4
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+}
+
 extern "C" __global__ void mpshuffle_batched_copy(
     const unsigned long long* src, const unsigned long long* dst,
     const long long* nbytes, const int* unit)
 {
     // One block per chunk; every chunk's pointers and size are multiples of its unit.
     const long long c = blockIdx.x;
-    const long long n = nbytes[c];
     const int u = unit[c];
-    #define MPS_COPY(T) { const T* s = (const T*)src[c]; T* d = (T*)dst[c]; \
-        for (long long i = threadIdx.x; i < n / (long long)sizeof(T); i += blockDim.x) d[i] = s[i]; }
-    if (u == 16) MPS_COPY(uint4)
-    else if (u == 8) MPS_COPY(unsigned long long)
-    else if (u == 4) MPS_COPY(unsigned int)
-    else if (u == 2) MPS_COPY(unsigned short)
-    else MPS_COPY(unsigned char)
-    #undef MPS_COPY
+    if (u == 16) mpshuffle_copy_units<uint4>(src[c], dst[c], nbytes[c]);
+    else if (u == 8) mpshuffle_copy_units<unsigned long long>(src[c], dst[c], nbytes[c]);
+    else if (u == 4) mpshuffle_copy_units<unsigned int>(src[c], dst[c], nbytes[c]);
+    else if (u == 2) mpshuffle_copy_units<unsigned short>(src[c], dst[c], nbytes[c]);
+    else mpshuffle_copy_units<unsigned char>(src[c], dst[c], nbytes[c]);
 }
 """
 
