@@ -104,7 +104,7 @@ def test_batched_copy_on_the_host_copies_every_segment_and_nothing_else() -> Non
 
 
 def test_a_full_device_leaves_the_pieces_as_they_are(comm: LocalCommunicator, monkeypatch: Any) -> None:
-    import mpshuffle.dask.device as device
+    from mpshuffle.dask import device
 
     def full(xp: Any, sizes: list[int]) -> list[Any]:
         raise MemoryError("out of device memory (test)")
