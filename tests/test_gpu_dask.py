@@ -126,23 +126,34 @@ def gpu_client() -> Any:
         yield client
 
 
-def _run_shuffle(client: Any, nin: int, nrows: int, npart: int) -> tuple[list[Any], list[Any]]:
+def _shuffle_layer(
+    client: Any, seeds: list[int], nrows: int, npart: int
+) -> tuple[dict[Any, Any], list[Any], list[Any]]:
+    """A device shuffle of tables ``_host_table(seed, nrows)`` made on the GPUs.
+
+    Returns the graph (inserts take the input futures), the keys of its
+    outputs copied to host, and the inputs as host tables.
+    """
     import cupy as cp
 
     from mpshuffle.dask import shuffle_graph
 
     workers = sorted(client.scheduler_info()["workers"])
-    futs = [client.submit(_make, i, nrows, workers=[workers[i % 2]], pure=False) for i in range(nin)]
+    futs = [client.submit(_make, s, nrows, workers=[workers[i % 2]], pure=False) for i, s in enumerate(seeds)]
     meta = DeviceTable({k: cp.asarray(v[:0]) for k, v in _host_table(0, 1).items()})
     graph, keys = shuffle_graph([f.key for f in futs], on=["key"], npartitions=npart, meta=meta)
     for k, task in list(graph.items()):
         if isinstance(k, tuple) and "insert" in k[0]:
             graph[k] = (task[0], futs[task[2]], *task[2:])
-    host_keys = [("to-host", j) for j in range(npart)]
+    host_keys = [(f"to-host-{keys[0][0]}", j) for j in range(npart)]
     for hk, k in zip(host_keys, keys, strict=True):
         graph[hk] = (_to_host, k)
-    parts = client.get(graph, host_keys)
-    return parts, [_host_table(i, nrows) for i in range(nin)]
+    return graph, host_keys, [_host_table(s, nrows) for s in seeds]
+
+
+def _run_shuffle(client: Any, nin: int, nrows: int, npart: int) -> tuple[list[Any], list[Any]]:
+    graph, host_keys, inputs = _shuffle_layer(client, list(range(nin)), nrows, npart)
+    return client.get(graph, host_keys), inputs
 
 
 def _contexts(client: Any) -> dict[str, Any]:
@@ -218,6 +229,24 @@ def test_device_shuffle_through_dask(gpu_client: Any) -> None:
         assert stats["bytes_spilled"] == 0
         sent += stats["bytes_sent"]
     assert sent > 0  # bytes crossed between the GPUs (over NCCL)
+
+
+@needs_2_gpus
+def test_two_device_shuffles_at_once(gpu_client: Any) -> None:
+    """Two shuffles whose barriers race (as both sides of a join do): each rank runs the
+    exchanges in rank 0's order, so neither waits on the other, and both are right."""
+    from mpshuffle.dask import bootstrap_dask_cluster
+
+    gen = bootstrap_dask_cluster(gpu_client, spill_device=0.25)
+    for _ in range(3):
+        ga, ka, ia = _shuffle_layer(gpu_client, [0, 1, 2, 3], 100_000, 8)
+        gb, kb, ib = _shuffle_layer(gpu_client, [10, 11, 12, 13, 14], 80_000, 6)
+        out = gpu_client.get({**ga, **gb}, ka + kb)
+        _check_output(out[:8], ia, 8)
+        _check_output(out[8:], ib, 6)
+    info = _wait_clean(gpu_client, gen.id)
+    for w in info.values():
+        assert w[gen.id]["runs"] == 0 and w[gen.id]["used"] == [0, 0] and not w["threads"]
 
 
 @needs_2_gpus

@@ -52,13 +52,15 @@ order without further messages: every rank knows, from the headers, which
 peer sends what in which input slot, and all ranks take the same slots per
 round (the smallest any rank announced).
 
-Limitations: exchanges of one generation run one at a time on each rank, in
-the order their ``inputs-done`` arrived; two device shuffles whose barriers
-run concurrently on the same generation can order them differently on
-different ranks and then deadlock in NCCL. Buffers on disk are read back
-to host memory, never straight to the device (no GPUDirect Storage). A peer
-lost in the middle of an NCCL round is not detected by NCCL itself; the
-barrier's and extract's timeouts end the tasks.
+Exchanges of one generation run one at a time on each rank, in the order rank
+0 runs them (:meth:`DeviceState.turn`): two device shuffles whose barriers run
+concurrently (both sides of a join, say) reach the ranks in different orders,
+and ranks that ran them as they came would wait on each other.
+
+Limitations: buffers on disk are read back to host memory, never straight to
+the device (no GPUDirect Storage). A peer lost in the middle of an NCCL round
+is not detected by NCCL itself; the barrier's and extract's timeouts end the
+tasks.
 """
 
 from __future__ import annotations
@@ -140,6 +142,79 @@ class DeviceState:
         # One exchange at a time per rank: NCCL operations of two exchanges
         # on one communicator must not interleave.
         self.exchange_lock = threading.Lock()
+        # Exchanges rank 0 started, in its order, that this rank has still to run.
+        self._turns: list[int] = []
+        self._turns_changed = threading.Condition()
+
+    def add_turn(self, op_id: int) -> None:
+        """Record that rank 0 started the exchange of ``op_id`` (progress thread; never blocks)."""
+        with self._turns_changed:
+            self._turns.append(op_id)
+            self._turns_changed.notify_all()
+
+    def drop_turn(self, op_id: int) -> None:
+        """Forget ``op_id``'s turn (its exchange ended, or its run closed or failed here)."""
+        with self._turns_changed:
+            if op_id in self._turns:
+                self._turns.remove(op_id)
+                self._turns_changed.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self, comm: Communicator, op_id: int, timeout: float, check: Callable[[], None]) -> Iterator[None]:
+        """Hold this rank's exchange slot for ``op_id``, in the order rank 0 runs exchanges.
+
+        Ranks may learn of two runs' barriers in different orders; were each
+        to run its exchanges as they come, rank 0 could wait in run A for a
+        peer busy in run B and both would stall. So rank 0 runs exchanges in
+        its own order and, on taking the slot, sends ``turn`` to every other
+        rank; the others run exchanges strictly in the order of those
+        messages.
+
+        Parameters
+        ----------
+        comm
+            The generation's host communicator.
+        op_id
+            The run whose exchange is about to start.
+        timeout
+            Seconds a rank other than 0 waits with no exchange ahead of it
+            ending before it gives up.
+        check
+            Called while waiting; raises if the run failed meanwhile.
+
+        Raises
+        ------
+        ShuffleTimeoutError
+            If rank 0 did not start ``op_id``'s exchange in time, naming the
+            exchanges queued ahead of it.
+        """
+        if comm.nranks == 1:
+            with self.exchange_lock:
+                yield
+            return
+        if comm.rank == 0:
+            with self.exchange_lock:
+                for dest in range(1, comm.nranks):
+                    comm.send_nowait(dest, (DEVICE_TAG, op_id, "turn"), [])
+                yield
+            return
+        try:
+            with self._turns_changed:
+                deadline, ahead = time.monotonic() + timeout, list(self._turns)
+                while not self._turns or self._turns[0] != op_id:
+                    check()
+                    if self._turns != ahead:  # an exchange ahead ended or a turn came: progress
+                        deadline, ahead = time.monotonic() + timeout, list(self._turns)
+                    if time.monotonic() > deadline:
+                        raise ShuffleTimeoutError(
+                            f"device shuffle op {op_id} on rank {comm.rank}: rank 0 did not start its "
+                            f"exchange within {timeout:g} s (exchanges queued here: {self._turns})"
+                        )
+                    self._turns_changed.wait(0.1)
+            with self.exchange_lock:
+                yield
+        finally:
+            self.drop_turn(op_id)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -667,6 +742,10 @@ class DeviceRun:
                 self._acks[src] = bytes(frames[0]).decode() if frames else ""
                 if len(self._acks) == self.comm.nranks:
                     self._acks_event.set()
+        elif kind == "turn" and self.state is not None:
+            with self._lock:  # _free drops the turn after setting _freed, under this lock
+                if not self._freed:
+                    self.state.add_turn(self.op_id)
 
     def _ack(self, dest: int) -> None:
         err = "" if self._error is None else str(self._error) or type(self._error).__name__
@@ -678,7 +757,7 @@ class DeviceRun:
             if self.state is None:
                 self._exchange(None)
             else:
-                with self.state.exchange_lock, self.state.scope():
+                with self.state.turn(self.comm, self.op_id, self.timeout, self._raise_if_failed), self.state.scope():
                     self._exchange(self.state)
         except BaseException as e:  # noqa: BLE001 -- reported to the barrier and to extract
             logger.error("mpshuffle: device exchange of op %d failed: %s", self.op_id, e)
@@ -995,6 +1074,8 @@ class DeviceRun:
             self._outbox, self._incoming, self._outputs = [], [], {}
         for b in buffers:
             b.release()
+        if self.state is not None:  # a turn of a run gone here must not hold up the next
+            self.state.drop_turn(self.op_id)
         self._spill_out.remove()
         self._spill_in.remove()
 
