@@ -18,7 +18,7 @@ from mpshuffle.errors import (
 __version__ = "0.1.0"
 
 # ``df.mpshuffle`` on dask DataFrames, registered once dask.dataframe is imported.
-from mpshuffle import _accessor_hook  # noqa: E402
+from mpshuffle import _accessor_hook
 
 _accessor_hook.install()
 

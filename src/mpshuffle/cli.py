@@ -83,8 +83,10 @@ def _info() -> int:
         try:
             importlib.import_module(name)
             print(f"  {name:<11} yes ({what})")
-        except Exception:
+        except ImportError:
             print(f"  {name:<11} no  ({what}; not installed)")
+        except Exception as e:  # noqa: BLE001 - e.g. CuPy installed but no CUDA driver: say so, go on
+            print(f"  {name:<11} no  ({what}; import failed: {type(e).__name__}: {e})")
     return 0
 
 

@@ -227,7 +227,7 @@ class TcpCommunicator(Communicator):
         peer = comm.peer_address
         try:
             hello = await asyncio.wait_for(comm.read(), 30)
-        except Exception as e:  # garbage, a closed socket, a slow stranger
+        except Exception as e:  # noqa: BLE001 - garbage, a closed socket, a slow stranger
             logger.warning("mpshuffle: refused connection from %s: no valid hello (%s)", peer, e)
             comm.abort()
             return
@@ -302,7 +302,7 @@ class TcpCommunicator(Communicator):
                 if not comm.closed():
                     await asyncio.wait_for(comm.write({"tag": ["__bye__"]}), 2)
                     await comm.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - a peer already gone: drop the connection
                 comm.abort()
         self._out.clear()
         if self._listener is not None:
