@@ -15,6 +15,7 @@ __all__ = [
     "CommTimeoutError",
     "MPShuffleError",
     "OptionError",
+    "PartitionGoneError",
     "ShuffleError",
     "ShuffleTimeoutError",
     "SpillError",
@@ -64,6 +65,14 @@ class ShuffleTimeoutError(ShuffleError, TimeoutError):
     """A wait of a shuffle (a send, the barrier, an extract) ran past its timeout.
 
     The message names the ranks and workers that were waited for.
+    """
+
+
+class PartitionGoneError(ShuffleError):
+    """An output partition was asked for after its rank handed it out.
+
+    The rank extracted it already, or the run ended there and its state was
+    freed. Through Dask, the extract task then has the run computed again.
     """
 
 

@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from mpshuffle.errors import CommError, ShuffleError, ShuffleTimeoutError, SpillError
+from mpshuffle.errors import (
+    CommError,
+    PartitionGoneError,
+    ShuffleError,
+    ShuffleTimeoutError,
+    SpillError,
+)
 from mpshuffle.memory import BufferResource, MemoryType, Postbox
 from mpshuffle.table import PackedData, partition_owner
 
@@ -359,9 +365,10 @@ class Shuffler:
 
         Raises
         ------
+        PartitionGoneError
+            If the partition was already extracted.
         ShuffleError
-            As :meth:`wait`, or if the partition is not owned by this rank or
-            was already extracted.
+            As :meth:`wait`, or if the partition is not owned by this rank.
         """
         self.wait(timeout)
         t0 = time.perf_counter()
@@ -372,7 +379,9 @@ class Shuffler:
                     f"rank {self.comm.rank}"
                 )
             if partition_id in self._extracted:
-                raise ShuffleError(f"output partition {partition_id} of shuffle op {self.op_id} was already extracted")
+                raise PartitionGoneError(
+                    f"output partition {partition_id} of shuffle op {self.op_id} was already extracted"
+                )
             self._extracted.add(partition_id)
             last = self._extracted == self._owned
         try:

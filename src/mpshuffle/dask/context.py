@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from mpshuffle.dask.device import DEVICE_TAG, DeviceRun, setup_device
-from mpshuffle.errors import ShuffleError
+from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.shuffler import TAG, Shuffler
 
@@ -124,9 +124,10 @@ class WorkerContext:
 
         Raises
         ------
+        PartitionGoneError
+            If the run already finished on this rank.
         ShuffleError
-            If the run already finished or failed on this rank, or the context
-            is closed.
+            If the run failed on this rank, or the context is closed.
         """
         with self._lock:
             s = self.shufflers.get(op_id)
@@ -138,7 +139,9 @@ class WorkerContext:
                 err = self._failed[op_id]
                 raise ShuffleError(f"shuffle op {op_id} failed: {err}")
             if op_id in self._finished:
-                raise ShuffleError(f"shuffle op {op_id} already finished on rank {self.rank}")
+                raise PartitionGoneError(
+                    f"shuffle op {op_id} already finished on rank {self.rank} (its data was handed out)"
+                )
             if device:
                 s = DeviceRun(
                     self.comm, op_id, resource=self.resource, state=self.device,

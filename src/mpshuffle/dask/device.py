@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
+from mpshuffle.errors import PartitionGoneError, ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Reservation, SpillDirectory
 from mpshuffle.memory.device import batched_copy
 from mpshuffle.table import PackedData
@@ -955,11 +955,13 @@ class DeviceRun:
 
         Raises
         ------
+        PartitionGoneError
+            If the partition was already extracted.
         ShuffleError
             If the run failed, the exchange did not end within ``timeout``
-            seconds, or the partition is not owned here or was already
-            extracted; a :class:`SpillError` if its spill file cannot be read
-            (the run is failed then).
+            seconds, or the partition is not owned here; a
+            :class:`SpillError` if its spill file cannot be read (the run is
+            failed then).
         """
         t0 = time.perf_counter()
         if not self._exchanged.wait(timeout):
@@ -976,7 +978,7 @@ class DeviceRun:
                     f"owned by rank {self.comm.rank}"
                 )
             if partition_id in self._extracted:
-                raise ShuffleError(
+                raise PartitionGoneError(
                     f"output partition {partition_id} of device shuffle op {self.op_id} was already extracted"
                 )
             self._extracted.add(partition_id)

@@ -28,7 +28,7 @@ from dask.base import tokenize
 
 from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.dask.device import is_device_meta
-from mpshuffle.errors import ShuffleError, phase
+from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns
 from mpshuffle.table.device import DeviceTable
@@ -354,8 +354,17 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
         ctx = runtime.context
     adapter = _with_index(get_adapter(spec.meta), spec)
     on_device = is_device_meta(spec.meta)
-    with _guard(runtime, "extract", run, ctx):
-        pieces = ctx.shuffler(op_id, device=on_device).extract(partition_id, ctx.options.timeout)
+    try:
+        with _guard(runtime, "extract", run, ctx):
+            pieces = ctx.shuffler(op_id, device=on_device).extract(partition_id, ctx.options.timeout)
+    except PartitionGoneError as e:
+        if run is None:
+            raise
+        # Dask computes this partition again while the barrier's result is
+        # still in memory (its output was released or lost): this rank
+        # handed the data out already, so the whole run is computed again.
+        runtime.restart_run(run, f"output partition {partition_id} was asked for again ({e})")
+        raise
     # Outside the guard: a piece that does not fit the meta is a data error,
     # not a wait that timed out, so it must not retire the generation.
     with phase("extract", _where(ctx)), ctx.device_scope() if on_device else contextlib.nullcontext():

@@ -354,12 +354,15 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         return {"restart": run.restarted, "alive": alive}
 
     async def restart_run(self, op_id: int, reason: str) -> dict[str, Any]:
-        """Handler: the barrier of run ``op_id`` found inserts of an older run; compute it again.
+        """Handler: a task of run ``op_id`` cannot go on with that run; compute it again.
 
-        An insert task that was executing when its run restarted can finish
-        with the old run's result and be taken as the result of its new
-        execution (Dask resumes a released task that is still running). Its
-        data went to the old run, so the whole run is restarted.
+        The barrier found inserts of an older run: an insert task that was
+        executing when its run restarted can finish with the old run's result
+        and be taken as the result of its new execution (Dask resumes a
+        released task that is still running), and its data went to the old
+        run. Or an extract found its partition handed out already: its output
+        was released or lost while the barrier's result stayed in memory.
+        Either way the whole run is restarted.
 
         Returns ``{"restarted": bool}``.
         """

@@ -291,9 +291,10 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     def restart_run(self, run: RunInfo, reason: str) -> None:
         """Ask the scheduler to compute ``run`` again, then reschedule this task.
 
-        Called from a task thread (the barrier) that found inputs of an older
-        run; the restart releases this task too, so the ``Reschedule`` only
-        matters if the scheduler declined.
+        Called from a task thread: the barrier that found inputs of an older
+        run, or an extract whose partition this rank already handed out. The
+        restart releases this task too, so the ``Reschedule`` only matters if
+        the scheduler declined.
 
         Raises
         ------
