@@ -229,7 +229,12 @@ def test_some_buffers_spilled_others_not_skips_consolidation(
     run = _one_rank(comm, resource)
     for i, t in enumerate(inputs):
         run.insert(i, DeviceTable(t), ["c0"], 6)
-    assert [o.buffer.on_device for o in run._outbox] == [False, True, True, True]
+    assert [o.buffer is not None and o.buffer.on_device for o in run._outbox] == [
+        False,
+        True,
+        True,
+        True,
+    ]
     # Room enough now: only the spilled buffer stops the consolidation (on a
     # GPU, a batched copy from host memory would read garbage or fault).
     resource.limits[MemoryType.DEVICE] = 10**9
@@ -449,4 +454,46 @@ def test_several_ranks_output_is_every_input_row_in_order(
     sent = sum(s["bytes_sent"] for s in stats)
     received = sum(s["bytes_received"] for s in stats)
     assert 0 < sent < received  # own ranges count as received, never as sent
+    _assert_clean(resources, tmp_path)
+
+
+# -- insert attempts ---------------------------------------------------------------
+
+
+def test_one_rank_keeps_only_the_accepted_attempt_of_an_input(
+    comm: LocalCommunicator, tmp_path: Any
+) -> None:
+    """An insert execution that Dask abandoned (its run restarted while it ran) inserted too.
+
+    The host path drops its data by the attempt the barrier names; the
+    device run must as well, or the input's rows come out twice.
+    """
+    inputs = [_table(i, n) for i, n in enumerate([300, 200])]
+    resource = _resource(tmp_path)
+    run = _one_rank(comm, resource)
+    run.insert(0, DeviceTable(inputs[0]), ["c0"], 4, attempt="abandoned")
+    run.insert(1, DeviceTable(inputs[1]), ["c0"], 4, attempt="only")
+    run.insert(0, DeviceTable(inputs[0]), ["c0"], 4, attempt="kept")
+    run.barrier(4, 10, accepted=["kept", "only"])
+    for j, want in enumerate(_expected(inputs, ["c0"], 4)):
+        _assert_partition(run.extract(j, 10), want, j)
+    _assert_clean([resource], tmp_path)
+
+
+def test_several_ranks_keep_only_the_accepted_attempt(host_device: None, tmp_path: Any) -> None:
+    # The abandoned execution ran on another rank than the kept one, and went to disk there.
+    inputs = [_table(i, n) for i, n in enumerate([400, 400, 400])]
+    resources = [
+        _resource(tmp_path, 10**9),
+        _resource(tmp_path, 5_000, 5_000),
+        _resource(tmp_path, 10**9),
+    ]
+    with _ranks(3, resources) as runs:
+        runs[1].insert(2, DeviceTable(inputs[2]), ["c0"], 5, attempt="abandoned")
+        for i, t in enumerate(inputs):
+            runs[i].insert(i, DeviceTable(t), ["c0"], 5, attempt=f"a{i}")
+        assert runs[1]._outbox[0].buffer.disk is not None  # type: ignore[union-attr]
+        runs[0].barrier(5, 10, accepted=["a0", "a1", "a2"])
+        for j, want in enumerate(_expected(inputs, ["c0"], 5)):
+            _assert_partition(runs[j % 3].extract(j, 10), want, j)
     _assert_clean(resources, tmp_path)

@@ -15,7 +15,9 @@ are the same.
   (``spill_host``) the oldest host buffers are written to the run's spill
   directory (accounted as ``DISK``).
 * **barrier**: the barrier task sends ``inputs-done`` to every rank over the
-  host communicator. On receipt each rank starts one collective *exchange* on
+  host communicator, naming per input partition the insert attempt whose
+  result Dask kept (an abandoned insert execution's table is left out of the
+  exchange). On receipt each rank starts one collective *exchange* on
   a thread of its own (never on the progress thread or a worker's event
   loop): the NCCL transport is created there on first use (once per
   generation; its unique id travels over the host communicator and its
@@ -389,6 +391,7 @@ class _Outgoing:
     buffer: _Buffer | None
     ranges: dict[int, tuple[int, int, list[_Piece]]]
     meta: bytes  # the pieces' metadata (one for all of them, see piece_metadata)
+    attempt: str = ""  # the insert execution that made it (see barrier's ``accepted``)
 
 
 @dataclasses.dataclass
@@ -487,6 +490,7 @@ class DeviceRun:
         self._owned: set[int] = set()
         self._extracted: set[int] = set()
         self._inputs_done = False
+        self._accepted: list[str] | None = None
         self._thread: threading.Thread | None = None
         self._reply_to: list[int] = []
         self._exchanged = threading.Event()
@@ -511,7 +515,7 @@ class DeviceRun:
     # -- insert (task thread) ------------------------------------------------
     def insert(
         self, input_index: int, frame: DeviceTable, on: Sequence[Any], npartitions: int,
-        ids: Any = None,
+        ids: Any = None, attempt: str = "",
     ) -> None:
         """Partition and pack one input table into this rank's outbox (no transfer yet).
 
@@ -527,6 +531,9 @@ class DeviceRun:
             Number of output partitions.
         ids
             Optional output partition id of every row (shape ``(n,)``).
+        attempt
+            Names this insert execution; the exchange leaves out the tables of
+            attempts the barrier did not accept (see :meth:`barrier`).
 
         Raises
         ------
@@ -572,7 +579,7 @@ class DeviceRun:
                 ])
             buffer = _Buffer(base, self.resource.reserve(MemoryType.DEVICE, int(base.nbytes)))
         with self._lock:
-            self._outbox.append(_Outgoing(input_index, buffer, ranges, meta))
+            self._outbox.append(_Outgoing(input_index, buffer, ranges, meta, attempt))
             self.statistics["bytes_inserted"] += frame.nbytes
             self.statistics["seconds_insert"] += time.perf_counter() - t0
         self._spill_over_budget()
@@ -683,8 +690,19 @@ class DeviceRun:
             self.statistics["seconds_unspill_disk"] += time.perf_counter() - t0
 
     # -- barrier -------------------------------------------------------------
-    def barrier(self, npartitions: int, timeout: float) -> None:
+    def barrier(self, npartitions: int, timeout: float, accepted: list[str] | None = None) -> None:
         """Start the exchange on every rank and wait until all finished it.
+
+        Parameters
+        ----------
+        npartitions
+            Number of output partitions.
+        timeout
+            Seconds to wait for every rank's exchange.
+        accepted
+            Per input partition, the insert ``attempt`` whose result Dask
+            kept; every rank leaves other attempts' tables out of its
+            exchange. ``None`` keeps every table.
 
         Raises
         ------
@@ -695,7 +713,7 @@ class DeviceRun:
         # A run that already failed here starts no exchange anywhere: peers
         # would otherwise wait in NCCL for this rank.
         self._raise_if_failed()
-        info = msgpack.packb({"npartitions": npartitions})
+        info = msgpack.packb({"npartitions": npartitions, "accepted": accepted})
         for dest in range(self.comm.nranks):
             self.comm.send_nowait(dest, (DEVICE_TAG, self.op_id, "inputs-done"), [info])
         deadline = time.monotonic() + timeout
@@ -726,6 +744,7 @@ class DeviceRun:
                 if self._thread is None and not self._closed:
                     self._inputs_done = True
                     self.npartitions = int(info["npartitions"])
+                    self._accepted = info.get("accepted")
                     r, n = self.comm.rank, self.comm.nranks
                     self._owned = set(range(r, self.npartitions, n))
                     self._thread = threading.Thread(
@@ -787,6 +806,19 @@ class DeviceRun:
         t0 = time.perf_counter()
         with self._lock:
             outbox = sorted(self._outbox, key=lambda o: o.input_index)
+            accepted = self._accepted
+        if accepted is not None:
+            # An insert execution that Dask abandoned (its run restarted while
+            # it ran) may have packed its table here too; only the attempt
+            # whose result Dask kept counts, or its rows would come out twice.
+            def kept_attempt(o: _Outgoing) -> bool:
+                return 0 <= o.input_index < len(accepted) and accepted[o.input_index] == o.attempt
+
+            for o in outbox:
+                if not kept_attempt(o) and o.buffer is not None:
+                    o.buffer.release()
+                    o.buffer = None
+            outbox = [o for o in outbox if kept_attempt(o)]
         per_round = self._slots_per_round(outbox)
         tag = (_XTAG, self.op_id, "headers")
         for dest in range(nranks):

@@ -270,7 +270,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
             table = adapter.device_table(frame)  # a cudf frame as zero-copy CuPy columns
             ids = None if spec.partitioner is None else _device_ids(table, frame, spec)
             ctx.shuffler(run.op_id, device=True).insert(
-                input_index, table, spec.on, spec.npartitions, ids
+                input_index, table, spec.on, spec.npartitions, ids, attempt=attempt
             )
         else:
             pieces = _split(adapter, frame, spec)
@@ -326,10 +326,12 @@ def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
             runtime.restart_run(run, reason)
         raise ShuffleError(f"barrier phase: shuffle {spec.token}: {reason}")
     with _guard(runtime, "barrier", run, ctx):
+        accepted = [r.get("attempt", "") for r in inserted]
         if is_device_meta(spec.meta):
-            ctx.shuffler(run.op_id, device=True).barrier(spec.npartitions, ctx.options.timeout)
+            ctx.shuffler(run.op_id, device=True).barrier(
+                spec.npartitions, ctx.options.timeout, accepted=accepted
+            )
         else:
-            accepted = [r.get("attempt", "") for r in inserted]
             ctx.shuffler(run.op_id).barrier(spec.npartitions, ctx.options.timeout, accepted=accepted)
     return {"op_id": run.op_id, "generation": run.generation, "workers": run.workers}
 
