@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 from distributed import Client, LocalCluster
 
+from mpshuffle.comm import LocalCommunicator
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
@@ -22,6 +24,14 @@ def client(cluster: LocalCluster) -> Iterator[Client]:
     """A synchronous client of the module's cluster, closed after the test."""
     with Client(cluster) as c:
         yield c
+
+
+@pytest.fixture
+def comm() -> Iterator[LocalCommunicator]:
+    """A single-rank communicator, closed after the test (device runs without a cluster)."""
+    c = LocalCommunicator()
+    yield c
+    c.close()
 
 
 def worker_state(dask_worker) -> dict:  # type: ignore[no-untyped-def]

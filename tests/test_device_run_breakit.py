@@ -107,13 +107,6 @@ def _resource(spill_dir: Any, device: int | None = None, host: int | None = None
     )
 
 
-@pytest.fixture
-def comm() -> Iterator[LocalCommunicator]:
-    c = LocalCommunicator()
-    yield c
-    c.close()
-
-
 def _one_rank(comm: LocalCommunicator, resource: BufferResource) -> DeviceRun:
     run = DeviceRun(comm, 3, resource=resource, state=None, key="b", timeout=10)
     comm.register_handler("mpsd", run.receive)

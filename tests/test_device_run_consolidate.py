@@ -7,11 +7,9 @@ except that :func:`mpshuffle.memory.device.batched_copy` loops on the host.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 
 from mpshuffle.comm import LocalCommunicator
 from mpshuffle.dask.device import DeviceRun
@@ -21,13 +19,6 @@ from mpshuffle.table.device import DeviceAdapter, DeviceTable
 from test_gpu_dask import _host_table
 
 NPART = 6
-
-
-@pytest.fixture
-def comm() -> Iterator[LocalCommunicator]:
-    c = LocalCommunicator()
-    yield c
-    c.close()
 
 
 def _shuffle(comm: LocalCommunicator, resource: BufferResource, inputs: list[dict[str, np.ndarray]]) -> tuple[

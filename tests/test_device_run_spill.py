@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,13 +27,6 @@ OWNER = "rank 0 (worker test)"
 NPART = 5
 # Each input table packs to ~26 kB; both budgets are far below one table.
 LIMIT = 10_000
-
-
-@pytest.fixture
-def comm() -> Iterator[LocalCommunicator]:
-    c = LocalCommunicator()
-    yield c
-    c.close()
 
 
 def _resource(spill_dir: Any, host: int | None = LIMIT) -> BufferResource:
