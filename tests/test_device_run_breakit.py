@@ -406,6 +406,9 @@ _MULTI: dict[str, tuple[int, int, list[int], list[int], list[int | None], int | 
     "one-round": (3, 7, [500, 0, 300, 800, 1], [0, 1, 0, 1, 1], [10**9] * 3, None),
     # Fewer partitions than ranks: rank 2 owns nothing and closes after the exchange.
     "rank-owns-nothing": (3, 2, [400, 400, 400], [2, 0, 1], [10**9] * 3, None),
+    # A rank without a device budget (1 slot of its own) does not limit the
+    # others' rounds: one round of 2 slots.
+    "unbounded-rank-sets-no-limit": (3, 7, [500, 300, 800, 200, 100], [0, 0, 1, 1, 2], [10**9, 10**9, None], None),
     # Budgets that allow two slots a round on one rank, one on another: all take one.
     "rounds-by-the-smallest-budget": (
         3,
@@ -438,7 +441,7 @@ def test_several_ranks_output_is_every_input_row_in_order(
         assert all(r.closed for r in runs)
     rounds = {s["rounds"] for s in stats}
     assert len(rounds) == 1  # every rank takes the same slots per round
-    if case == "one-round":
+    if case in ("one-round", "unbounded-rank-sets-no-limit"):
         assert rounds == {1} and all(s["bytes_consolidated"] > 0 for s in stats)
     elif case == "rounds-by-the-smallest-budget":
         assert rounds == {2}

@@ -379,6 +379,9 @@ class _Buffer:
             res.release()
 
 
+# Slots per round a rank without a device budget announces (all ranks take the smallest).
+_UNBOUNDED_SLOTS = 2**31
+
 # (pid, offset in the range, data bytes, rows)
 _Piece = tuple[int, int, int, int]
 
@@ -793,11 +796,12 @@ class DeviceRun:
 
         A round holds, for a moment, the slots' outbox ranges and what they
         bring in; with about as much coming in as going out, a slot costs
-        twice the largest outbox buffer. At least 1.
+        twice the largest outbox buffer. At least 1; without a budget, no
+        limit (:data:`_UNBOUNDED_SLOTS`).
         """
         available = self.resource.available(MemoryType.DEVICE)
-        if available is None:
-            return max(1, len(outbox))
+        if available is None:  # no budget here: let the ranks that have one decide
+            return _UNBOUNDED_SLOTS
         biggest = max((end for o in outbox for _, end, _ in o.ranges.values()), default=0)
         return max(1, int(available // max(1, 2 * biggest)))
 
