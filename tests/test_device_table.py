@@ -103,3 +103,31 @@ def test_pack_sorted_rank_major_with_empty_partitions() -> None:
     assert all(s % 64 == 0 for s in starts.values())
     laid_out = sorted(starts, key=starts.__getitem__)
     assert laid_out == [p for p in rank_major_pids(40, 3) if p in pieces]
+
+
+@pytest.mark.parametrize("adapter", ["pandas", "arrow", "device"])
+@pytest.mark.parametrize(
+    ("ids", "match"),
+    [
+        (np.array([0, 1, 5]), r"in \[0, 5\), got values from 0 to 5"),
+        (np.array([0, -1, 2]), r"got values from -1 to 2"),
+        (np.array([0, 1]), r"shape \(3,\), got \(2,\)"),
+        (np.array([0.0, 1.0, 2.0]), "must be integers"),
+    ],
+)
+def test_split_refuses_ids_outside_their_range(adapter: str, ids: np.ndarray, match: str) -> None:
+    """Caller-given ids are checked: a row must not land in no partition, or another."""
+    import pandas as pd
+    import pyarrow as pa
+
+    from mpshuffle.table.arrow import ArrowAdapter
+    from mpshuffle.table.pandas import PandasAdapter
+
+    df = pd.DataFrame({"k": [1, 2, 3], "v": [1.0, 2.0, 3.0]})
+    frame, ad = {
+        "pandas": (df, PandasAdapter()),
+        "arrow": (pa.Table.from_pandas(df, preserve_index=False), ArrowAdapter()),
+        "device": (DeviceTable.from_pandas(df, device=False), DeviceAdapter()),
+    }[adapter]
+    with pytest.raises(ValueError, match=match):
+        ad.split(frame, ["k"], 5, ids=ids)

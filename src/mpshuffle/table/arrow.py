@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
 from mpshuffle.table._ipc import ARROW, Header, read_ipc, split_table
-from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
 from mpshuffle.table.packed import PackedData
 
 if TYPE_CHECKING:
-    import numpy as np
     import numpy.typing as npt
 
 __all__ = ["ArrowAdapter"]
@@ -87,6 +87,8 @@ class ArrowAdapter(FrameAdapter):
         """
         if ids is None:
             ids = self.partition_ids(frame, on, npartitions)
+        else:
+            check_ids(np.asarray(ids), frame.num_rows, npartitions)
         return split_table(frame, ids, Header(ARROW).encode())
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:

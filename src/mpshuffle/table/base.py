@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from mpshuffle.table.packed import PackedData
 
-__all__ = ["AdapterRegistry", "FrameAdapter", "get_adapter", "register_adapter"]
+__all__ = ["AdapterRegistry", "FrameAdapter", "check_ids", "get_adapter", "register_adapter"]
 
 
 class FrameAdapter(ABC):
@@ -94,6 +94,12 @@ class FrameAdapter(ABC):
         dict
             ``{partition_id: PackedData}`` of the non-empty pieces only; the
             rows of each piece keep their original relative order.
+
+        Raises
+        ------
+        ValueError
+            If ``ids`` has another shape or a value outside its range
+            (:func:`check_ids`).
         """
 
     @abstractmethod
@@ -154,6 +160,36 @@ def check_columns(actual: Sequence[Any], expected: Sequence[Any], what: str = "t
             f"{what} has column(s) {extra!r} that the collection's meta does not declare "
             f"(meta has {list(expected)!r})"
         )
+
+
+def check_ids(ids: Any, nrows: int, npartitions: int) -> None:
+    """Raise unless ``ids`` are ``nrows`` partition ids in ``[0, npartitions)``.
+
+    Parameters
+    ----------
+    ids
+        Caller-given output partition ids, a 1-D NumPy or CuPy integer array.
+    nrows
+        Rows of the frame they label.
+    npartitions
+        Number of output partitions.
+
+    Raises
+    ------
+    ValueError
+        Naming the expected and actual shape, dtype or value range: a row
+        with an id outside the range would land in no partition, or another.
+    """
+    if tuple(ids.shape) != (nrows,):
+        raise ValueError(f"partition ids must have shape ({nrows},), got {tuple(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"partition ids must be integers, got dtype {ids.dtype}")
+    if nrows:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= npartitions:
+            raise ValueError(
+                f"partition ids must lie in [0, {npartitions}), got values from {lo} to {hi}"
+            )
 
 
 class AdapterRegistry:

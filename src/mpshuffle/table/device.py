@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import COMBINE_MULTIPLIER, NULL_HASH
 from mpshuffle.table.packed import PackedData
 
@@ -397,8 +397,7 @@ class DeviceAdapter(FrameAdapter):
             ids = self.partition_ids(frame, on, npartitions)
         else:
             ids = frame.xp.asarray(ids)
-            if ids.shape != (frame.nrows,):
-                raise ValueError(f"ids must have shape ({frame.nrows},), got {ids.shape}")
+            check_ids(ids, frame.nrows, npartitions)
         order, counts = partition_order(ids, npartitions)
         return pack_sorted(frame, order, counts, list(range(npartitions)))
 

@@ -25,18 +25,18 @@ import pickle
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
 from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids, split_table
 from mpshuffle.table._reconcile import check_columns, reconcile
-from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
 from mpshuffle.table.packed import PackedData
 
 if TYPE_CHECKING:
-    import numpy as np
     import numpy.typing as npt
 
 __all__ = ["PandasAdapter"]
@@ -201,6 +201,8 @@ class PandasAdapter(FrameAdapter):
         """
         if ids is None:
             ids = self.partition_ids(frame, on, npartitions)
+        else:
+            check_ids(np.asarray(ids), len(frame), npartitions)
         names = self._names(frame)
         if not _arrow_dtypes_round_trip(frame):
             return self._split_pickle(frame, ids)
