@@ -535,3 +535,24 @@ def test_merge_and_sorts_of_persisted_inputs_run_no_alias_task(client: Client) -
     assert set(counts) == {"mpshuffle-range-insert", "mpshuffle-range-barrier", "mpshuffle-range-extract",
                            "mpshuffle-set-index"}
     assert pd.concat(parts).index.tolist() == sorted(pdf["v"].tolist())
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (lambda df: np.full(len(df), 3), r"must lie in \[0, 3\), got values from 3 to 3"),
+        (lambda df: np.zeros(len(df) + 1, dtype=np.int64), r"must have shape \(10,\), got \(11,\)"),
+    ],
+)
+def test_a_partitioner_returning_bad_ids_fails_naming_it(bad: Any, match: str) -> None:
+    """shuffle_graph's partitioner is checked by the adapters' one rule (check_ids), named in the error."""
+    from dask.core import get as dask_get
+
+    from mpshuffle.dask import shuffle_graph
+    from mpshuffle.errors import ShuffleError
+
+    frame = pd.DataFrame({"k": np.arange(10), "v": np.arange(10.0)})
+    graph, keys = shuffle_graph(["in"], on=["k"], npartitions=3, meta=frame.iloc[:0], partitioner=bad)
+    graph["in"] = frame
+    with pytest.raises(ShuffleError, match=rf"the partitioner .* returned bad ids: .*{match}"):
+        dask_get(graph, keys)  # the synchronous scheduler: the local runtime

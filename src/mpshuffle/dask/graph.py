@@ -30,7 +30,7 @@ from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.dask.device import is_device_meta
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
-from mpshuffle.table.base import check_columns
+from mpshuffle.table.base import check_columns, check_ids
 from mpshuffle.table.device import DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
 
@@ -289,27 +289,22 @@ def _split(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
     if spec.partitioner is None:
         return adapter.split(frame, list(spec.on), spec.npartitions)
     ids = np.asarray(spec.partitioner(frame), dtype=np.int64)
-    if ids.shape != (adapter.num_rows(frame),) or (
-        len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= spec.npartitions)
-    ):
-        raise ShuffleError(
-            f"the partitioner {spec.partitioner!r} returned ids of shape {ids.shape} outside "
-            f"[0, {spec.npartitions}) for a frame of {adapter.num_rows(frame)} rows"
-        )
+    _check_partitioner_ids(ids, adapter.num_rows(frame), spec)
     return adapter.split(frame, list(spec.on), spec.npartitions, ids=ids)
+
+
+def _check_partitioner_ids(ids: Any, nrows: int, spec: ShuffleSpec) -> None:
+    try:
+        check_ids(ids, nrows, spec.npartitions)
+    except ValueError as e:
+        raise ShuffleError(f"the partitioner {spec.partitioner!r} returned bad ids: {e}") from None
 
 
 def _device_ids(table: DeviceTable, frame: Any, spec: ShuffleSpec) -> Any:
     # The partitioner sees the task's frame (a cudf frame stays one); its ids
     # go to the table's device.
     ids = table.xp.asarray(spec.partitioner(frame)).astype(np.int64)
-    if ids.shape != (table.nrows,) or (
-        len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= spec.npartitions)
-    ):
-        raise ShuffleError(
-            f"the partitioner {spec.partitioner!r} returned ids of shape {ids.shape} outside "
-            f"[0, {spec.npartitions}) for a frame of {table.nrows} rows"
-        )
+    _check_partitioner_ids(ids, table.nrows, spec)
     return ids
 
 
