@@ -44,8 +44,16 @@ __all__ = [
     "DeviceAdapter",
     "DeviceTable",
     "array_module",
+    "column_blocks",
+    "column_offsets",
+    "concat_tables",
     "hash_columns",
+    "pack_sorted",
     "partition_order",
+    "piece_dtypes",
+    "piece_metadata",
+    "rank_major_pids",
+    "unpack_piece",
 ]
 
 # Byte alignment of every column inside a packed piece: the widest supported
@@ -68,10 +76,6 @@ def array_module(array: Any) -> Any:
     import cupy
 
     return cupy.get_array_module(array)
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class DeviceTable:
@@ -419,17 +423,26 @@ class DeviceAdapter(FrameAdapter):
 def column_offsets(nrows: int, dtypes: Sequence[Any]) -> tuple[list[int], int]:
     """Byte offset of every column block of a packed piece of ``nrows`` rows, and its size.
 
-    Columns follow one another, each starting at a multiple of 64 bytes:
-    column ``c`` takes ``align64(nrows * itemsize_c)`` bytes. The offsets
-    are not stored in a piece's metadata; they follow from ``nrows`` and the
-    dtypes.
+    Columns follow one another, each in a block of :func:`column_blocks`
+    bytes. The offsets are not stored in a piece's metadata; they follow
+    from ``nrows`` and the dtypes.
+
+    Parameters
+    ----------
+    nrows
+        Rows of the piece.
+    dtypes
+        Column dtypes, in column order.
+
+    Returns
+    -------
+    offsets
+        Byte offset of each column's block within the piece.
+    size
+        Bytes of the whole piece.
     """
-    offs = []
-    total = 0
-    for dt in dtypes:
-        offs.append(total)
-        total += _align(nrows * np.dtype(dt).itemsize)
-    return offs, total
+    blocks = column_blocks([nrows], [np.dtype(d).itemsize for d in dtypes])[0]
+    return (np.cumsum(blocks) - blocks).tolist(), int(blocks.sum())
 
 
 def column_blocks(nrows: Any, itemsizes: Any) -> Any:
@@ -458,6 +471,18 @@ def piece_metadata(names: Sequence[str], dtypes: Sequence[Any]) -> bytes:
 
     One metadata serves every piece of these columns, whatever its row count
     (see :func:`column_offsets`).
+
+    Parameters
+    ----------
+    names
+        Column names, in column order.
+    dtypes
+        Column dtypes, in column order.
+
+    Returns
+    -------
+    bytes
+        UTF-8 JSON ``{"format": "mpshuffle-device-2", "names": [...], "dtypes": [...]}``.
     """
     return json.dumps(
         {"format": _FORMAT, "names": list(names), "dtypes": [np.dtype(d).str for d in dtypes]}
