@@ -10,7 +10,7 @@ columns of ``--gb`` GB on its GPU and measures, in the same run:
   argsort of the partition ids, gather of every column);
 - ``mpshuffle``: the end-to-end device shuffle, from device-resident input to
   device-resident output partitions on their owners
-  (:class:`mpshuffle.device_shuffler.DeviceShuffle`, one round);
+  (:class:`mpshuffle.shuffler.collective.DeviceShuffle`, one round);
 - ``spill`` (with ``--spill``): the device shuffle in 4 rounds under a device
   budget of half the data, so that half the received data spills to host;
   its result is checked (row count and column sums per rank, partition of
@@ -93,7 +93,7 @@ def rank_main(rank: int, nranks: int, address_file: str, args: argparse.Namespac
     import numpy as np
 
     from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.device_shuffler import DeviceShuffle
+    from mpshuffle.shuffler.collective import DeviceShuffle
     from mpshuffle.memory import BufferResource, MemoryType
     from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order
 

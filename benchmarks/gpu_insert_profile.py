@@ -1,6 +1,6 @@
 """Where a device insert's time goes, on one GPU, without Dask.
 
-A :class:`~mpshuffle.dask.device.DeviceRun` of a 2-rank run (only inserts,
+A :class:`~mpshuffle.shuffler.device.DeviceRun` of a 2-rank run (only inserts,
 which need no peer) packs ``--inserts`` tables of an int64 key and three
 float64 columns. Printed per table size:
 
@@ -76,7 +76,7 @@ def main() -> None:
 
     import cupy as xp
 
-    from mpshuffle.dask.device import DeviceRun, DeviceState
+    from mpshuffle.shuffler.device import DeviceRun, DeviceState
     from mpshuffle.memory import BufferResource
     from mpshuffle.table.device import DeviceAdapter, pack_sorted, partition_order, rank_major_pids
 

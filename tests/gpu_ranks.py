@@ -2,7 +2,7 @@
 
 Usage: ``python tests/gpu_ranks.py RANK NRANKS ADDRESS_FILE OUTDIR [BUDGET_BYTES]``. Rank
 ``r`` uses GPU ``r``, builds its deterministic input rounds, shuffles them
-with :class:`mpshuffle.device_shuffler.DeviceShuffle` and writes its input
+with :class:`mpshuffle.shuffler.collective.DeviceShuffle` and writes its input
 and output partitions (as NumPy) to ``OUTDIR/rank{r}.npz`` for the parent to check.
 """
 
@@ -52,7 +52,7 @@ def main() -> None:
     import numpy as np
 
     from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.device_shuffler import DeviceShuffle
+    from mpshuffle.shuffler.collective import DeviceShuffle
     from mpshuffle.memory import BufferResource, MemoryType
     from mpshuffle.table.device import DeviceTable
 

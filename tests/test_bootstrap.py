@@ -83,7 +83,7 @@ def _fail_in_guard(timeout: bool) -> str:
     """In a task: let the worker plugin's phase guard see a failed extract of a made-up run."""
     from distributed import get_worker
 
-    from mpshuffle.dask.context import RunInfo
+    from mpshuffle.shuffler.context import RunInfo
     from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
 
     worker = get_worker()

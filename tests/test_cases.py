@@ -326,7 +326,7 @@ def test_case04_32769_partitions_at_the_shuffler_level(kind: str) -> None:
     As Dask tasks these alone take minutes; here the shuffler and the adapter
     run directly. Keys are picked to hash to ids past 2**15 (and to the last id).
     """
-    from mpshuffle.dask.context import LocalRuntime
+    from mpshuffle.shuffler.context import LocalRuntime
 
     n = 32769
     targets = [0, 255, 256, 32767, 32768]
@@ -721,7 +721,7 @@ def test_fewer_output_partitions_than_ranks(barrier_rank: int) -> None:
     then drop the acks the barrier waited for: a hang until the timeout.
     """
     from mpshuffle.config import resolve_options
-    from mpshuffle.dask.context import WorkerContext
+    from mpshuffle.shuffler.context import WorkerContext
 
     peers: list[_PairComm] = []
     peers.extend([_PairComm(0, peers), _PairComm(1, peers)])

@@ -1,6 +1,6 @@
 """Edge cases of the device run, on CPU: one rank, and several ranks with a stand-in for NCCL.
 
-:class:`mpshuffle.dask.device.DeviceRun` runs here with NumPy device tables
+:class:`mpshuffle.shuffler.device.DeviceRun` runs here with NumPy device tables
 (the host twin). One rank needs nothing else. Several ranks run in one
 process: each has a :class:`_MemComm` (a host communicator that hands messages
 to the peer's progress thread) and a :class:`_FakeState` whose transport
@@ -31,8 +31,8 @@ import pytest
 
 from mpshuffle.comm import LocalCommunicator
 from mpshuffle.comm.base import Communicator, Frames, Tag
-from mpshuffle.dask import device as device_module
-from mpshuffle.dask.device import DeviceRun, DeviceState
+from mpshuffle.shuffler import device as device_module
+from mpshuffle.shuffler.device import DeviceRun, DeviceState
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order

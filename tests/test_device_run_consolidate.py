@@ -1,6 +1,6 @@
 """The device run's consolidation: each output partition leaves the exchange as one piece.
 
-Runs :class:`mpshuffle.dask.device.DeviceRun` on one rank with NumPy device
+Runs :class:`mpshuffle.shuffler.device.DeviceRun` on one rank with NumPy device
 tables (the host twin, no GPU), which takes the very code path of a GPU run
 except that :func:`mpshuffle.memory.device.batched_copy` loops on the host.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from mpshuffle.comm import LocalCommunicator
-from mpshuffle.dask.device import DeviceRun
+from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.memory.device import batched_copy
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
@@ -95,7 +95,7 @@ def test_batched_copy_on_the_host_copies_every_segment_and_nothing_else() -> Non
 
 
 def test_a_full_device_leaves_the_pieces_as_they_are(comm: LocalCommunicator, monkeypatch: Any) -> None:
-    from mpshuffle.dask import device
+    from mpshuffle.shuffler import device
 
     def full(xp: Any, sizes: list[int]) -> list[Any]:
         raise MemoryError("out of device memory (test)")

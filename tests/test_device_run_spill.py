@@ -1,6 +1,6 @@
 """The device run's disk tier: device -> host -> disk under tiny budgets, on CPU.
 
-:class:`mpshuffle.dask.device.DeviceRun` runs on one rank with NumPy device
+:class:`mpshuffle.shuffler.device.DeviceRun` runs on one rank with NumPy device
 tables (the host twin) and no GPU state, so these tests drive its spilling
 on any machine: buffers past the ``DEVICE`` budget go to host, past the
 ``HOST`` budget to the run's spill directory, and extract reads them back.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mpshuffle.comm import LocalCommunicator
-from mpshuffle.dask.device import DeviceRun
+from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.errors import ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
@@ -127,7 +127,7 @@ def test_fail_removes_spill_files_before_and_after_the_exchange(comm: LocalCommu
 
 def test_worker_context_gives_the_device_run_its_spill_directory(tmp_path: Any) -> None:
     from mpshuffle.config import resolve_options
-    from mpshuffle.dask.context import WorkerContext
+    from mpshuffle.shuffler.context import WorkerContext
 
     options = resolve_options(comm="local", spill_host=LIMIT, spill_dir=str(tmp_path))
     ctx = WorkerContext(LocalCommunicator(), "gen1", options, workers=("w0",))

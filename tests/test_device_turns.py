@@ -1,6 +1,6 @@
 """The order of device exchanges: every rank runs them in rank 0's order (no GPU needed).
 
-:meth:`mpshuffle.dask.device.DeviceState.turn` is driven here with a
+:meth:`mpshuffle.shuffler.device.DeviceState.turn` is driven here with a
 stand-in communicator that records what rank 0 sends; the exchanges are
 threads that note when they hold the slot.
 """
@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from mpshuffle.dask.device import DEVICE_TAG, DeviceState
+from mpshuffle.shuffler.device import DEVICE_TAG, DeviceState
 from mpshuffle.errors import ShuffleError
 
 

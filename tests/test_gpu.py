@@ -101,7 +101,7 @@ def test_device_table_validates_columns() -> None:
 def _local_shuffle(budget: int | None, rounds: int, n: int):  # type: ignore[no-untyped-def]
     from mpshuffle.comm.local import LocalCommunicator
     from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.device_shuffler import DeviceShuffle
+    from mpshuffle.shuffler.collective import DeviceShuffle
 
     comm = LocalCommunicator()
     transport = NcclTransport.create(comm)

@@ -1,6 +1,6 @@
 """Device shuffles through Dask: the device run path, and a 2-GPU cluster.
 
-The first test drives :class:`mpshuffle.dask.device.DeviceRun` on one rank with
+The first test drives :class:`mpshuffle.shuffler.device.DeviceRun` on one rank with
 NumPy device tables (the host twin), so its outbox, spilling and extract run
 on CPU machines too. The cluster tests need CuPy and two GPUs: one worker
 process per GPU (``CUDA_VISIBLE_DEVICES`` per nanny, as dask-cuda does),
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mpshuffle.comm import LocalCommunicator
-from mpshuffle.dask.device import DeviceRun
+from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
 

@@ -13,7 +13,7 @@ import pytest
 from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
-from mpshuffle.shuffler import Shuffler
+from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.table import PackedData
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from mpshuffle.comm import LocalCommunicator
 from mpshuffle.memory import BufferResource
-from mpshuffle.shuffler import Shuffler
+from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.table import PandasAdapter
 
 

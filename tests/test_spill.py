@@ -16,7 +16,7 @@ import pytest
 
 from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
-from mpshuffle.dask.context import LocalRuntime
+from mpshuffle.shuffler.context import LocalRuntime
 from mpshuffle.errors import ShuffleError, SpillError
 
 NROWS = 60_000
@@ -174,7 +174,7 @@ def test_cluster_disk_full_names_worker_and_directory(client: Any) -> None:
 def test_closing_the_worker_context_removes_spill_files_of_running_shuffles(tmp_path: Any) -> None:
     from mpshuffle.comm import LocalCommunicator
     from mpshuffle.config import resolve_options
-    from mpshuffle.dask.context import WorkerContext
+    from mpshuffle.shuffler.context import WorkerContext
     from mpshuffle.table import get_adapter
 
     options = resolve_options(comm="local", spill_host=1024, spill_dir=str(tmp_path))

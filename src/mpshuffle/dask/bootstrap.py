@@ -13,7 +13,7 @@ from mpshuffle.errors import MPShuffleError
 if TYPE_CHECKING:
     from distributed import Client
 
-    from mpshuffle.dask.context import WorkerContext
+    from mpshuffle.shuffler.context import WorkerContext
 
 __all__ = ["Generation", "bootstrap_dask_cluster", "get_worker_context", "register_plugins"]
 

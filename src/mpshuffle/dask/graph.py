@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 from dask.base import tokenize
 
-from mpshuffle.dask.context import LocalRuntime, RunInfo, WorkerContext
-from mpshuffle.dask.device import is_device_meta
+from mpshuffle.shuffler.context import LocalRuntime, RunInfo, WorkerContext
+from mpshuffle.shuffler.device import is_device_meta
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns, check_ids

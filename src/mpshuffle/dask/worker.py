@@ -16,7 +16,7 @@ from distributed.utils import sync
 
 from mpshuffle.comm import TcpCommunicator
 from mpshuffle.config import Options
-from mpshuffle.dask.context import RunInfo, WorkerContext
+from mpshuffle.shuffler.context import RunInfo, WorkerContext
 from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
 
 if TYPE_CHECKING:

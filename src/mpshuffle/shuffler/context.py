@@ -10,10 +10,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from mpshuffle.dask.device import DEVICE_TAG, DeviceRun, setup_device
+from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
-from mpshuffle.shuffler import TAG, Shuffler
+from mpshuffle.shuffler.host import TAG, Shuffler
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
@@ -74,7 +74,7 @@ class WorkerContext:
     history
         Statistics of the last finished runs, as ``(op_id, statistics)``.
     device
-        This rank's GPU (:class:`~mpshuffle.dask.device.DeviceState`: device
+        This rank's GPU (:class:`~mpshuffle.shuffler.device.DeviceState`: device
         id, ``spill_device`` budget, ``pool_size`` pool), or ``None`` where
         CuPy or a GPU is missing.
     """
@@ -120,7 +120,7 @@ class WorkerContext:
         """The shuffler of run ``op_id`` on this rank, created on first use.
 
         A :class:`~mpshuffle.shuffler.Shuffler`, or with ``device=True`` a
-        :class:`~mpshuffle.dask.device.DeviceRun` (device tables over NCCL).
+        :class:`~mpshuffle.shuffler.device.DeviceRun` (device tables over NCCL).
 
         Raises
         ------

@@ -3,7 +3,7 @@
 A shuffle graph whose meta is a :class:`~mpshuffle.table.device.DeviceTable`
 with CuPy columns runs here instead of in the host
 :class:`~mpshuffle.shuffler.Shuffler`; the graph (insert -> barrier ->
-extract) and the run's lifecycle in the :class:`~mpshuffle.dask.context.WorkerContext`
+extract) and the run's lifecycle in the :class:`~mpshuffle.shuffler.context.WorkerContext`
 are the same.
 
 * **insert** (task thread): hash-partition the table on its GPU and pack its

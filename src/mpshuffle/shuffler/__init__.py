@@ -1,0 +1,21 @@
+"""The shuffle engine: one rank's share of a run, for host and device data.
+
+Nothing here imports Dask or distributed: a run is driven by whoever holds a
+:class:`~mpshuffle.comm.Communicator` (the Dask integration in
+:mod:`mpshuffle.dask`, a test, a benchmark).
+
+Modules
+-------
+host
+    :class:`~mpshuffle.shuffler.host.Shuffler`, one rank's state of a host run.
+device
+    :class:`~mpshuffle.shuffler.device.DeviceRun`, one rank's state of a
+    device run (CuPy/cudf partitions exchanged over NCCL).
+context
+    :class:`~mpshuffle.shuffler.context.WorkerContext`, what one rank of a
+    generation holds, and :class:`~mpshuffle.shuffler.context.LocalRuntime`,
+    the single-process runtime.
+collective
+    :class:`~mpshuffle.shuffler.collective.DeviceShuffle`, a collective
+    device shuffle for ranks that all call it together.
+"""
