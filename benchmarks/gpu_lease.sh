@@ -22,9 +22,9 @@ for step in "$@"; do
   case $step in
     setup) bash "$ANCHOR/setup.sh" > "$OUT/setup.log" 2>&1; echo "setup rc=$?"; tail -40 "$OUT/setup.log" ;;
     tests) (env_on && set -o pipefail && timeout 300 python3 -m pytest -p no:cacheprovider -o timeout=300 -v -rs \
-             tests/test_gpu.py tests/test_gpu_dask.py tests/test_gpu_cuda_cluster.py \
-             tests/test_device_run_spill.py tests/test_device_run_consolidate.py \
-             tests/test_device_turns.py tests/test_device_run_breakit.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60) ;;
+             tests/gpu \
+             tests/engine/test_device_run_spill.py tests/engine/test_device_run_consolidate.py \
+             tests/engine/test_device_turns.py tests/engine/test_device_run_faults.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -60) ;;
     peer) (env_on && timeout 560 python3 benchmarks/gpu_peer_bench.py --out "$OUT" ${PEER_ARGS:-} 2>&1 \
              | tee "$OUT/peer.log" | grep -v "^RESULT" | tail -30) ;;
     nodask) (env_on && timeout 300 python3 benchmarks/gpu_bench.py --gb 10 --reps 3 --spill 10 \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
@@ -49,3 +50,33 @@ def worker_state(dask_worker) -> dict:  # type: ignore[no-untyped-def]
         "spill": spill,
         "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("mpshuffle")),
     }
+
+
+def host_table(i: int, n: int) -> dict[str, np.ndarray]:
+    """Columns of input partition ``i`` for device-run tests: ``n`` rows, a unique ``row`` id."""
+    rng = np.random.default_rng(i)
+    return {
+        "key": rng.integers(0, 2**40, n),
+        "x": rng.normal(size=n),
+        "s": rng.integers(0, 100, n).astype(np.int16),
+        "row": np.arange(n, dtype=np.int64) + i * 10**9,
+    }
+
+
+def check_device_output(
+    parts: list[dict[str, np.ndarray]], inputs: list[dict[str, np.ndarray]], npart: int
+) -> None:
+    """Output partition j holds exactly the input rows whose key hashes to j, dtypes kept."""
+    from mpshuffle.table.device import DeviceAdapter, DeviceTable
+
+    got = {k: np.concatenate([p[k] for p in parts]) for k in inputs[0]}
+    want = {k: np.concatenate([t[k] for t in inputs]) for k in inputs[0]}
+    order_g, order_w = np.argsort(got["row"]), np.argsort(want["row"])
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype
+        np.testing.assert_array_equal(got[k][order_g], w[order_w])
+    adapter = DeviceAdapter()
+    for j, p in enumerate(parts):
+        if len(p["key"]):
+            ids = adapter.partition_ids(DeviceTable(p), ["key"], npart)
+            assert set(np.unique(ids).tolist()) == {j}

@@ -31,10 +31,10 @@ import pytest
 
 from mpshuffle.comm import LocalCommunicator
 from mpshuffle.comm.base import Communicator, Frames, Tag
-from mpshuffle.shuffler import device as device_module
-from mpshuffle.shuffler.device import DeviceRun, DeviceState
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.shuffler import device as device_module
+from mpshuffle.shuffler.device import DeviceRun, DeviceState
 from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order
 
 Table = dict[str, np.ndarray]

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from conftest import host_table as _host_table
 from mpshuffle.comm import LocalCommunicator
-from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.memory.device import batched_copy
+from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
-from test_gpu_dask import _host_table
 
 NPART = 6
 

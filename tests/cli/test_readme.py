@@ -8,12 +8,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 README = (ROOT / "README.md").read_text()
 
 
 def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.DOTALL)
 
 
 def test_readme_opens_with_the_two_commands() -> None:

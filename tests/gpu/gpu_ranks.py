@@ -1,6 +1,6 @@
-"""One rank of a multi-GPU device-shuffle check, run as a subprocess by tests/test_gpu.py.
+"""One rank of a multi-GPU device-shuffle check, run as a subprocess by tests/gpu/test_gpu.py.
 
-Usage: ``python tests/gpu_ranks.py RANK NRANKS ADDRESS_FILE OUTDIR [BUDGET_BYTES]``. Rank
+Usage: ``python tests/gpu/gpu_ranks.py RANK NRANKS ADDRESS_FILE OUTDIR [BUDGET_BYTES]``. Rank
 ``r`` uses GPU ``r``, builds its deterministic input rounds, shuffles them
 with :class:`mpshuffle.shuffler.collective.DeviceShuffle` and writes its input
 and output partitions (as NumPy) to ``OUTDIR/rank{r}.npz`` for the parent to check.
@@ -52,8 +52,8 @@ def main() -> None:
     import numpy as np
 
     from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.shuffler.collective import DeviceShuffle
     from mpshuffle.memory import BufferResource, MemoryType
+    from mpshuffle.shuffler.collective import DeviceShuffle
     from mpshuffle.table.device import DeviceTable
 
     cupy.cuda.Device(rank).use()

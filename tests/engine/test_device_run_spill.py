@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import check_device_output as _check_output
+from conftest import host_table as _host_table
 from mpshuffle.comm import LocalCommunicator
-from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.errors import ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
-from test_gpu_dask import _check_output, _host_table
 
 OWNER = "rank 0 (worker test)"
 NPART = 5

@@ -12,6 +12,7 @@ from distributed import Client
 from conftest import worker_state
 from mpshuffle.tpch import compare, generate, q_join, q_join_duckdb, read_tables
 
+
 @pytest.fixture(scope="module")
 def tpch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate(0.01, tmp_path_factory.mktemp("tpch"), parts=3)

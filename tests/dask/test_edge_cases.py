@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -33,6 +32,7 @@ import pyarrow as pa
 import pytest
 from distributed import Client
 
+import dask
 from conftest import worker_state
 from mpshuffle.comm import Communicator
 from mpshuffle.dask import bootstrap_dask_cluster, shuffle, shuffle_graph

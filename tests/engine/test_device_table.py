@@ -1,6 +1,6 @@
 """The device table's code path on NumPy arrays: runs without a GPU (CI).
 
-The same functions run on CuPy arrays in tests/test_gpu.py; here they check
+The same functions run on CuPy arrays in tests/gpu/test_gpu.py; here they check
 that the device hash equals the host hash and that split/unpack keep rows.
 """
 

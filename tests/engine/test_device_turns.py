@@ -11,8 +11,8 @@ import threading
 import time
 from typing import Any
 
-from mpshuffle.shuffler.device import DEVICE_TAG, DeviceState
 from mpshuffle.errors import ShuffleError
+from mpshuffle.shuffler.device import DEVICE_TAG, DeviceState
 
 
 class _Comm:

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import check_device_output as _check_output
+from conftest import host_table as _host_table
 from mpshuffle.comm import LocalCommunicator
-from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.shuffler.device import DeviceRun
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
 
 try:
@@ -32,30 +34,6 @@ except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
     _NDEV = 0
 
 needs_2_gpus = pytest.mark.skipif(_NDEV < 2, reason="needs CuPy and two CUDA devices")
-
-
-def _host_table(i: int, n: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(i)
-    return {
-        "key": rng.integers(0, 2**40, n),
-        "x": rng.normal(size=n),
-        "s": rng.integers(0, 100, n).astype(np.int16),
-        "row": np.arange(n, dtype=np.int64) + i * 10**9,
-    }
-
-
-def _check_output(parts: list[dict[str, np.ndarray]], inputs: list[dict[str, np.ndarray]], npart: int) -> None:
-    got = {k: np.concatenate([p[k] for p in parts]) for k in inputs[0]}
-    want = {k: np.concatenate([t[k] for t in inputs]) for k in inputs[0]}
-    order_g, order_w = np.argsort(got["row"]), np.argsort(want["row"])
-    for k, w in want.items():
-        assert got[k].dtype == w.dtype
-        np.testing.assert_array_equal(got[k][order_g], w[order_w])
-    adapter = DeviceAdapter()
-    for j, p in enumerate(parts):
-        if len(p["key"]):
-            ids = adapter.partition_ids(DeviceTable(p), ["key"], npart)
-            assert set(np.unique(ids).tolist()) == {j}
 
 
 def test_device_run_one_rank_spills_and_extracts() -> None:

@@ -130,7 +130,8 @@ def test_cli_started_cluster(tmp_path: Any) -> None:
     sched_file = str(tmp_path / "scheduler.json")
     # The processes unpickle this module's helper functions by reference.
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    paths = [here, os.path.dirname(here), os.environ.get("PYTHONPATH")]  # this module and conftest
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     common = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": str(tmp_path), "env": env}
     procs = [
         subprocess.Popen(

@@ -83,8 +83,8 @@ def _fail_in_guard(timeout: bool) -> str:
     """In a task: let the worker plugin's phase guard see a failed extract of a made-up run."""
     from distributed import get_worker
 
-    from mpshuffle.shuffler.context import RunInfo
     from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
+    from mpshuffle.shuffler.context import RunInfo
 
     worker = get_worker()
     plugin = worker.plugins["mpshuffle"]

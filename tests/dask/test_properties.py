@@ -5,7 +5,7 @@ strings with None, categoricals, datetimes with and without a time zone and
 booleans are split into a random number of input partitions and shuffled on
 random key columns into a random number of output partitions, on the
 ``local`` communicator (no Client, Dask's sync scheduler). The checks are those
-of ``tests/test_cases.py``: each output partition holds exactly the input rows
+of ``tests/dask/test_edge_cases.py``: each output partition holds exactly the input rows
 whose key hashes to it, in input-partition then position order (so the row
 multiset and key ownership too), with the collection's dtypes; and a second
 computation gives the same partitions.
@@ -16,14 +16,14 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import dask
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_edge_cases import _arrow, check, shuffle_arrow, shuffle_pandas
 
-from test_cases import _arrow, check, shuffle_arrow, shuffle_pandas
+import dask
 
 COLUMNS = ["i", "n", "f", "s", "c", "t", "tz", "b"]
 

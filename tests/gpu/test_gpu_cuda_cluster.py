@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from mpshuffle.shuffler.device import is_device_meta
 from mpshuffle.memory import MemoryType
+from mpshuffle.shuffler.device import is_device_meta
 from mpshuffle.table.cudf import is_cudf_frame
 from mpshuffle.table.device import DeviceTable
 

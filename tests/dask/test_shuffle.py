@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 
-import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -12,6 +11,7 @@ import pyarrow as pa
 import pytest
 from distributed import Client, wait
 
+import dask
 from conftest import worker_state
 from mpshuffle.dask import shuffle, shuffle_graph
 from mpshuffle.table import partition_ids
