@@ -1,11 +1,16 @@
-"""Memory types, budgets, the postbox that holds received chunks, and spill files.
+"""Memory types, budgets, packed buffers, the postbox that holds received chunks, and spill files.
 
-Every buffer a shuffler holds is accounted in a :class:`BufferResource`;
-received chunks over the host budget are spilled to a :class:`SpillDirectory`.
+:class:`PackedData` is the serialized form of a piece of a frame that every
+other layer moves around; the frame adapters of :mod:`mpshuffle.table` write
+and read it, this package only holds, counts and spills it (it never imports
+:mod:`mpshuffle.table`). Every buffer a shuffler holds is accounted in a
+:class:`BufferResource`; received chunks over the host budget are spilled to a
+:class:`SpillDirectory`.
 """
 
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.memory.postbox import Postbox
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 
-__all__ = ["BufferResource", "MemoryType", "Postbox", "Reservation", "SpillDirectory"]
+__all__ = ["BufferResource", "MemoryType", "PackedData", "Postbox", "Reservation", "SpillDirectory"]

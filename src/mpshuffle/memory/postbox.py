@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpshuffle.errors import SpillError
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
-from mpshuffle.table import PackedData
 
 __all__ = ["Postbox"]
 

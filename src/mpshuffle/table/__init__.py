@@ -7,10 +7,10 @@ built in; add others with ``register_adapter``). The hash is documented in
 
 from __future__ import annotations
 
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.table.arrow import ArrowAdapter
 from mpshuffle.table.base import FrameAdapter, get_adapter, register_adapter
 from mpshuffle.table.hashing import partition_ids, partition_owner
-from mpshuffle.table.packed import PackedData
 from mpshuffle.table.pandas import PandasAdapter
 
 # Built-ins first: adapters registered later take precedence.

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.table.packed import PackedData
+from mpshuffle.memory.packed import PackedData
 
 if TYPE_CHECKING:
     import numpy.typing as npt

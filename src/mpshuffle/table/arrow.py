@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.table._ipc import ARROW, Header, read_ipc, split_table
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
-from mpshuffle.table.packed import PackedData
 
 if TYPE_CHECKING:
     import numpy.typing as npt

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from mpshuffle.table.packed import PackedData
+    from mpshuffle.memory.packed import PackedData
 
 __all__ = ["AdapterRegistry", "FrameAdapter", "check_ids", "get_adapter", "register_adapter"]
 
@@ -21,7 +21,7 @@ class FrameAdapter(ABC):
     """Everything the shuffle needs to know about one kind of frame.
 
     An adapter hashes a frame's key columns, splits the frame into
-    :class:`~mpshuffle.table.packed.PackedData` pieces (one per output
+    :class:`~mpshuffle.memory.PackedData` pieces (one per output
     partition) and concatenates received pieces back into a frame.
 
     Attributes

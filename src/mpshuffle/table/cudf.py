@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.table.base import FrameAdapter
 from mpshuffle.table.device import DeviceAdapter, DeviceTable
-from mpshuffle.table.packed import PackedData
 
 __all__ = ["CudfAdapter", "from_device_table", "is_cudf_frame", "to_device_table"]
 

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from mpshuffle.errors import ShuffleError
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import COMBINE_MULTIPLIER, NULL_HASH
-from mpshuffle.table.packed import PackedData
 
 __all__ = [
     "DeviceAdapter",

@@ -30,11 +30,11 @@ import pandas as pd
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
+from mpshuffle.memory.packed import PackedData
 from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids, split_table
 from mpshuffle.table._reconcile import check_columns, reconcile
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
-from mpshuffle.table.packed import PackedData
 
 if TYPE_CHECKING:
     import numpy.typing as npt

@@ -1,4 +1,8 @@
-"""The serialized form of one piece of a frame: :class:`PackedData`."""
+"""The serialized form of one piece of a frame: :class:`PackedData`.
+
+The frame adapters of :mod:`mpshuffle.table` write and read it; the memory
+layer holds, counts and spills it without knowing any frame type.
+"""
 
 from __future__ import annotations
 
