@@ -14,7 +14,7 @@ from distributed.comm.addressing import get_address_host, parse_address
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
-from mpshuffle.comm import TcpCommunicator
+from mpshuffle.comm.tcp import TcpCommunicator
 from mpshuffle.config import Options
 from mpshuffle.shuffler.context import RunInfo, WorkerContext
 from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
