@@ -6,6 +6,11 @@ them from ``DASK_MPSHUFFLE__<NAME>`` environment variables and user YAML
 files. Keyword arguments of :func:`mpshuffle.dask.bootstrap_dask_cluster`
 override them. Options are resolved on the client and sent to the workers
 with the bootstrap.
+
+The :class:`~mpshuffle.options.Options` type itself lives in
+:mod:`mpshuffle.options`, which imports no Dask: the engine
+(:mod:`mpshuffle.shuffler`) is handed options and never reads Dask's
+configuration.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import yaml
 from dask.utils import parse_bytes
 
 from mpshuffle.errors import OptionError
+from mpshuffle.options import Options
 
 __all__ = ["Options", "resolve_options"]
 
@@ -27,69 +33,6 @@ with open(_YAML) as _f:
     dask.config.update_defaults(yaml.safe_load(_f))
 
 COMM_BACKENDS = ("tcp", "local")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """Resolved, validated options of a generation.
-
-    Attributes
-    ----------
-    comm
-        Communicator backend, one of ``"tcp"``, ``"local"``.
-    timeout
-        Seconds any wait of a shuffle may take (barrier, extract, receive).
-    bootstrap_timeout
-        Seconds the bootstrap's rendezvous and barrier may take.
-    spill_host
-        Host budget for shuffle buffers: a fraction in (0, 1] of the worker's
-        ``memory_limit`` (a ``float``), or bytes (an ``int`` > 1).
-    spill_dir
-        Directory for spill files, or ``None`` for the worker's local directory.
-    spill_device
-        Fraction in (0, 1] of device memory at which device buffers spill.
-    pool_size
-        Fraction in (0, 1] of device memory the pool takes up front, or ``None``.
-    batch_bytes
-        Bytes gathered per destination rank before a chunk is sent.
-    """
-
-    comm: str = "tcp"
-    timeout: float = 300.0
-    bootstrap_timeout: float = 30.0
-    spill_host: float | int = 0.25
-    spill_dir: str | None = None
-    spill_device: float = 0.5
-    pool_size: float | None = None
-    batch_bytes: int = 4 * 2**20
-
-    def check_distributed(self) -> None:
-        """Refuse options that cannot connect the worker processes of a distributed cluster.
-
-        Raises
-        ------
-        OptionError
-            If ``comm`` is not ``"tcp"`` (``"local"`` is for Dask's
-            single-process schedulers; it may come from ``mpshuffle.comm`` in
-            dask.config as well as from a keyword argument).
-        """
-        if self.comm != "tcp":
-            raise OptionError(
-                f"comm={self.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
-                "('local' is for Dask's single-process schedulers; check mpshuffle.comm in dask.config)"
-            )
-
-    def host_budget(self, memory_limit: int | None) -> int | None:
-        """Host budget in bytes for a worker with ``memory_limit`` bytes.
-
-        Returns ``None`` (unbounded) when the budget is a fraction and the
-        worker has no memory limit.
-        """
-        if isinstance(self.spill_host, float):
-            if not memory_limit:
-                return None
-            return int(self.spill_host * memory_limit)
-        return int(self.spill_host)
 
 
 def _fraction(name: str, value: Any, *, allow_none: bool = False) -> float | None:

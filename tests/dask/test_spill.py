@@ -17,6 +17,7 @@ import dask
 from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
 from mpshuffle.errors import ShuffleError, SpillError
+from mpshuffle.config import resolve_options
 from mpshuffle.shuffler.context import LocalRuntime
 
 NROWS = 60_000
@@ -59,7 +60,7 @@ def local_runtime(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lo
     with dask.config.set(
         {"scheduler": "sync", "mpshuffle.spill_host": 64 * 2**10, "mpshuffle.spill_dir": str(tmp_path)}
     ):
-        runtime = LocalRuntime()
+        runtime = LocalRuntime(resolve_options)
         monkeypatch.setattr(graph, "_LOCAL", runtime)
         yield runtime
         runtime.context.close()
@@ -173,7 +174,6 @@ def test_cluster_disk_full_names_worker_and_directory(client: Any) -> None:
 
 def test_closing_the_worker_context_removes_spill_files_of_running_shuffles(tmp_path: Any) -> None:
     from mpshuffle.comm import LocalCommunicator
-    from mpshuffle.config import resolve_options
     from mpshuffle.shuffler.context import WorkerContext
     from mpshuffle.table import get_adapter
 

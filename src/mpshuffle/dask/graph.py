@@ -28,6 +28,7 @@ from dask.base import tokenize
 
 from mpshuffle.shuffler.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.shuffler.device import is_device_meta
+from mpshuffle.config import resolve_options
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns, check_ids
@@ -36,7 +37,7 @@ from mpshuffle.table.gpu import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 
-_LOCAL = LocalRuntime()
+_LOCAL = LocalRuntime(resolve_options)
 
 
 @dataclasses.dataclass(frozen=True)

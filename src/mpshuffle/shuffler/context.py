@@ -16,8 +16,10 @@ from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.shuffler.host import TAG, Shuffler
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mpshuffle.comm import Communicator, Frames, Tag
-    from mpshuffle.config import Options
+    from mpshuffle.options import Options
 
 __all__ = ["LocalRuntime", "RunInfo", "WorkerContext"]
 
@@ -237,9 +239,17 @@ class LocalRuntime:
     With Dask's synchronous or threaded scheduler, every task runs in this
     process: the runtime holds one :class:`WorkerContext` on the ``local``
     communicator, created on first use, and binds runs to it.
+
+    Parameters
+    ----------
+    resolve
+        Returns the options of the context when it is first created (the Dask
+        integration passes :func:`mpshuffle.config.resolve_options`, which
+        reads ``dask.config``; the engine itself never reads it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, resolve: Callable[[], Options]) -> None:
+        self._resolve = resolve
         self._context: WorkerContext | None = None
         self._runs: dict[str, RunInfo] = {}
         self._ops = itertools.count(1)
@@ -247,13 +257,12 @@ class LocalRuntime:
 
     @property
     def context(self) -> WorkerContext:
-        """The process's context (created with the options of ``dask.config``)."""
+        """The process's context (created with the options ``resolve`` returns)."""
         with self._lock:
             if self._context is None:
                 from mpshuffle.comm import LocalCommunicator
-                from mpshuffle.config import resolve_options
 
-                options = resolve_options()
+                options = self._resolve()
                 self._context = WorkerContext(LocalCommunicator(), "local", options, workers=("local",))
             return self._context
 

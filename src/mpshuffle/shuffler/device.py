@@ -98,7 +98,7 @@ from mpshuffle.table.device import (
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
     from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.config import Options
+    from mpshuffle.options import Options
 
 __all__ = ["DEVICE_TAG", "DeviceRun", "DeviceState", "is_device_meta", "setup_device"]
 
