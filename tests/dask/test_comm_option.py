@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client, LocalCluster
 
-import dask
 from mpshuffle.dask import shuffle
 from mpshuffle.errors import OptionError
 

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -32,7 +33,6 @@ import pyarrow as pa
 import pytest
 from distributed import Client
 
-import dask
 from conftest import worker_state
 from mpshuffle.comm import Communicator
 from mpshuffle.dask import bootstrap_dask_cluster, shuffle, shuffle_graph
@@ -763,6 +763,8 @@ def test_arrow_dtype_columns_round_trip(column: pd.Series) -> None:
 
 def test_unhashable_key_column_is_named() -> None:
     pdf = pd.DataFrame({"k": range(4), "x": pd.Series([[1], [2]] * 2, dtype=pd.ArrowDtype(pa.list_(pa.int64())))})
-    with dask.config.set(scheduler="sync"):
-        with pytest.raises(ShuffleError, match="key column 'x' of dtype list<item: int64>.* cannot be hashed"):
-            shuffle(dd.from_pandas(pdf, npartitions=2), on="x", npartitions=2).compute()
+    with (
+        dask.config.set(scheduler="sync"),
+        pytest.raises(ShuffleError, match="key column 'x' of dtype list<item: int64>.* cannot be hashed"),
+    ):
+        shuffle(dd.from_pandas(pdf, npartitions=2), on="x", npartitions=2).compute()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ast
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client, get_task_stream, wait
 
-import dask
 from conftest import worker_state
 from mpshuffle.dask import merge
 

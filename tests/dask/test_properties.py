@@ -16,14 +16,13 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import dask
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_edge_cases import _arrow, check, shuffle_arrow, shuffle_pandas
-
-import dask
 
 COLUMNS = ["i", "n", "f", "s", "c", "t", "tz", "b"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -11,7 +12,6 @@ import pyarrow as pa
 import pytest
 from distributed import Client, wait
 
-import dask
 from conftest import worker_state
 from mpshuffle.dask import shuffle, shuffle_graph
 from mpshuffle.table import partition_ids
@@ -148,9 +148,8 @@ def test_local_scheduler_without_client() -> None:
 
 def test_multiprocessing_scheduler_is_refused() -> None:
     df = dd.from_pandas(pd.DataFrame({"a": [1, 2]}), npartitions=1)
-    with dask.config.set(scheduler="processes"):
-        with pytest.raises(ValueError, match="multiprocessing"):
-            shuffle(df, "a")
+    with dask.config.set(scheduler="processes"), pytest.raises(ValueError, match="multiprocessing"):
+        shuffle(df, "a")
 
 
 def test_local_partial_compute_then_full_compute() -> None:

@@ -14,6 +14,7 @@ import itertools
 from collections import Counter
 from typing import Any
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -22,7 +23,6 @@ from dask._task_spec import Alias
 from dask.core import keys_in_tasks
 from distributed import Client, get_task_stream, wait
 
-import dask
 from conftest import worker_state
 from mpshuffle.dask import merge, shuffle, sort_values
 from mpshuffle.table import partition_ids

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
 from distributed import Client
 
-import dask
 from conftest import worker_state
 from mpshuffle.dask import set_index, sort_values
 from mpshuffle.dask.sort import RangePartitioner

@@ -8,16 +8,16 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
 
-import dask
 from conftest import worker_state
+from mpshuffle.config import resolve_options
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
 from mpshuffle.errors import ShuffleError, SpillError
-from mpshuffle.config import resolve_options
 from mpshuffle.shuffler.context import LocalRuntime
 
 NROWS = 60_000

@@ -26,13 +26,14 @@ from typing import Any
 import numpy as np
 from dask.base import tokenize
 
-from mpshuffle.shuffler.context import LocalRuntime, RunInfo, WorkerContext
-from mpshuffle.shuffler.device import is_device_meta
 from mpshuffle.config import resolve_options
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
+from mpshuffle.shuffler.context import LocalRuntime, RunInfo, WorkerContext
+from mpshuffle.shuffler.device import is_device_meta
 from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns, check_ids
-from mpshuffle.table.device import DeviceTable
+from mpshuffle.table.cudf import CudfAdapter
+from mpshuffle.table.device import DeviceAdapter, DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
@@ -268,6 +269,8 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
         )
         if is_device_meta(spec.meta):
             # Device tables stay on the GPU; they move over NCCL at the barrier.
+            # The adapter matches a device meta, so it is one of the device adapters.
+            assert isinstance(adapter, (DeviceAdapter, CudfAdapter)), type(adapter)
             table = adapter.device_table(frame)  # a cudf frame as zero-copy CuPy columns
             ids = None if spec.partitioner is None else _device_ids(table, frame, spec)
             ctx.shuffler(run.op_id, device=True).insert(

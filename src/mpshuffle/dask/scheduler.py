@@ -50,7 +50,11 @@ from mpshuffle.errors import BootstrapError, OptionError
 from mpshuffle.table import partition_owner
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
+    from dask.typing import Key
     from distributed import Scheduler
+    from distributed.scheduler import TaskStateState
 
 __all__ = ["ShuffleSchedulerPlugin"]
 
@@ -418,7 +422,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
     def _unpin(self, run: _Run) -> None:
         assert self.scheduler is not None
         tasks = self.scheduler.tasks
-        present = {k: None for k in [*run.insert_keys, run.barrier_key, *run.extract_keys] if k in tasks}
+        present: dict[Key, Collection[str] | str | None] = {k: None for k in [*run.insert_keys, run.barrier_key, *run.extract_keys] if k in tasks}
         if present:
             self.scheduler.set_restrictions(present)
 
@@ -426,7 +430,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         """Fail ``run`` on its ranks and release its tasks so that Dask computes it again."""
         assert self.scheduler is not None
         tasks = self.scheduler.tasks
-        recs: dict[Any, str] = {}
+        recs: dict[Key, TaskStateState] = {}
         barrier_ts = tasks.get(run.barrier_key)
         restartable = barrier_ts is not None and barrier_ts.state != "erred"
         if restartable:

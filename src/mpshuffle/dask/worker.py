@@ -16,8 +16,8 @@ from distributed.utils import sync
 
 from mpshuffle.comm.tcp import TcpCommunicator
 from mpshuffle.config import Options
-from mpshuffle.shuffler.context import RunInfo, WorkerContext
 from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
+from mpshuffle.shuffler.context import RunInfo, WorkerContext
 
 if TYPE_CHECKING:
     from distributed import Worker

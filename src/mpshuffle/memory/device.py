@@ -152,14 +152,14 @@ def batched_copy(sources: list[Any], destinations: list[Any], segments: Any) -> 
     dst_base = np.array([a.data.ptr for a in destinations], dtype=np.uint64)
     src = src_base[seg[:, 0]] + seg[:, 1].astype(np.uint64)
     dst = dst_base[seg[:, 2]] + seg[:, 3].astype(np.uint64)
-    n = seg[:, 4]
-    nchunks = (n + _CHUNK - 1) // _CHUNK
+    length = seg[:, 4]
+    nchunks = (length + _CHUNK - 1) // _CHUNK
     first = np.repeat(np.cumsum(nchunks) - nchunks, nchunks)
     which = np.repeat(np.arange(len(seg)), nchunks)
     off = (np.arange(int(nchunks.sum())) - first) * _CHUNK
     c_src = src[which] + off.astype(np.uint64)
     c_dst = dst[which] + off.astype(np.uint64)
-    c_n = np.minimum(n[which] - off, _CHUNK)
+    c_n = np.minimum(length[which] - off, _CHUNK)
     align = (c_src | c_dst | c_n.astype(np.uint64)).astype(np.int64)
     unit = np.ones(len(c_n), dtype=np.int32)
     for u in (2, 4, 8, 16):

@@ -31,7 +31,7 @@ def _aligned_empty(nbytes: int) -> memoryview:
     """A writable buffer of ``nbytes`` bytes whose start is ALIGNMENT-aligned."""
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
-    return memoryview(raw[start : start + nbytes])
+    return raw[start : start + nbytes].data
 
 
 class SpillDirectory:

@@ -10,9 +10,9 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.shuffler.host import TAG, Shuffler
 
 if TYPE_CHECKING:
