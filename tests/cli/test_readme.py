@@ -24,10 +24,15 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert README.index("```bash") < README.index("```python")
 
 
-def test_ci_runs_the_readme_test_command() -> None:
+def test_ci_runs_the_readme_test_command_first_then_the_checks() -> None:
     test_command = _blocks("bash")[0].strip().splitlines()[1]
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_command in ci
+    # The README's command is the first to use the environment; lint, types and layers follow.
+    first = ci.index(test_command)
+    assert ci.index(".venv/bin/") == first + test_command.index(".venv/bin/")
+    for check in (".venv/bin/ruff check src tests", ".venv/bin/mypy src", ".venv/bin/lint-imports"):
+        assert ci.index(check) > first, check
 
 
 def test_readme_usage_runs(tmp_path: Path) -> None:
@@ -36,7 +41,7 @@ def test_readme_usage_runs(tmp_path: Path) -> None:
     program = usage + textwrap.indent(options, " " * 8)
     script = tmp_path / "usage.py"
     script.write_text(program)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     sizes = eval(proc.stdout.strip().splitlines()[0])
     assert len(sizes) == 8 and sum(sizes) > 0
@@ -46,6 +51,6 @@ def test_readme_accessor_example_runs(tmp_path: Path) -> None:
     accessor = next(b for b in _blocks("python") if "df.mpshuffle" in b)
     script = tmp_path / "accessor.py"
     script.write_text(accessor)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[40, 30, 20, 10]" in proc.stdout
