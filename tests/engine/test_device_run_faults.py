@@ -313,10 +313,7 @@ class _MemComm(Communicator):
         )
 
     def close(self) -> None:
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-            self._loop.close()
+        self._stop_progress(self._thread, timeout=5)
 
 
 class _FakeNccl:

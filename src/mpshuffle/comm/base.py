@@ -19,9 +19,10 @@ import abc
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from mpshuffle.errors import CommError, CommTimeoutError
@@ -70,6 +71,13 @@ class Communicator(abc.ABC):
         self._lost = {}
         self._lock = threading.Lock()
         self._lost_callbacks: list[Callable[[int, str], None]] = []
+        # Work handed to the progress thread: coroutines not started yet (with
+        # the future their caller holds) and tasks running. Closing fails or
+        # cancels every one of them, so that no caller waits forever on a
+        # message that will never leave and no coroutine is dropped unawaited.
+        self._accepting = True
+        self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- to be provided by a backend -------------------------------------
     @property
@@ -83,7 +91,10 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Close connections and stop the progress thread. Idempotent."""
+        """Close connections and stop the progress thread. Idempotent.
+
+        Backends stop their progress thread with :meth:`_stop_progress`.
+        """
 
     # -- receiving -------------------------------------------------------
     def register_handler(self, key: Any, handler: Handler) -> None:
@@ -198,25 +209,31 @@ class Communicator(abc.ABC):
         """Blocking twin of :meth:`asend`; not callable on the progress thread."""
         self._run_sync(self._send_checked(dest, tag, list(frames)), timeout)
 
-    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> asyncio.Future[None] | Any:
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> concurrent.futures.Future[None]:
         """Start sending and return a :class:`concurrent.futures.Future` at once.
 
         Messages to the same ``dest`` started from one thread are delivered in
-        the order they were started. After :meth:`close` the future holds a
-        :class:`CommError` (nothing is left scheduled on a closed loop).
+        the order they were started. The future always ends: with ``None``
+        once the message is handed to the transport, or with a
+        :class:`CommError` (the peer is lost, the connection broke, or the
+        communicator closed before the message left). A failure that nobody
+        may be waiting for is logged, so no message goes unsent silently.
         """
-        coro = self._send_checked(dest, tag, list(frames))
-        try:
-            if self.loop.is_closed():
-                raise RuntimeError("event loop is closed")
-            return asyncio.run_coroutine_threadsafe(coro, self.loop)
-        except RuntimeError as e:  # the progress thread's loop is gone
-            coro.close()
-            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-            fut.set_exception(CommError(
-                f"rank {self.rank}: cannot send {tag!r} to rank {dest}: the communicator is closed ({e})"
-            ))
-            return fut
+        fut = self._submit(self._send_checked(dest, tag, list(frames)), f"send {tag!r} to rank {dest}")
+        fut.add_done_callback(functools.partial(self._report_unsent, dest, tag))
+        return fut
+
+    def _report_unsent(self, dest: int, tag: Tag, fut: concurrent.futures.Future[None]) -> None:
+        err = None if fut.cancelled() else fut.exception()
+        if err is None:
+            return
+        # A lost peer was reported when it was lost; a closed communicator is
+        # one that its owner is shutting down on purpose.
+        quiet = dest in self._lost or not self._accepting
+        logger.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "mpshuffle: rank %d: message %r to rank %d was not sent: %s", self.rank, tag, dest, err,
+        )
 
     async def _send_checked(self, dest: int, tag: Tag, frames: Frames) -> None:
         if not 0 <= dest < self.nranks:
@@ -286,6 +303,109 @@ class Communicator(abc.ABC):
         return f"barrier {name!r}: {who} did not arrive within {timeout:g} s"
 
     # -- running coroutines on the progress thread -----------------------
+    def _submit(self, coro: Coroutine[Any, Any, Any], what: str) -> concurrent.futures.Future[Any]:
+        """Run ``coro`` on the progress thread; the returned future always ends.
+
+        ``what`` describes the work for the error of a closed communicator.
+        Unlike :func:`asyncio.run_coroutine_threadsafe`, work that the loop
+        never starts (it stopped in between) is not lost: :meth:`_stop_progress`
+        fails its future and closes the coroutine.
+        """
+        outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if not self._accepting:
+                coro.close()
+                outer.set_exception(self._closed_error(what))
+                return outer
+            self._unstarted[outer] = coro
+
+        def start() -> None:
+            with self._lock:
+                if self._unstarted.pop(outer, None) is None:
+                    return  # failed by _stop_progress already
+            if not outer.set_running_or_notify_cancel():
+                coro.close()
+                return
+            task = self.loop.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._settle, outer, what))
+            outer.add_done_callback(functools.partial(self._cancel_if_cancelled, task))
+
+        try:
+            self.loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self._unstarted.pop(outer, None)
+            coro.close()
+            outer.set_exception(self._closed_error(what))
+        return outer
+
+    def _cancel_if_cancelled(self, task: asyncio.Task[Any], outer: concurrent.futures.Future[Any]) -> None:
+        # The caller gave up (an awaiting task was cancelled): so does the work.
+        if outer.cancelled() and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(task.cancel)
+
+    def _settle(self, outer: concurrent.futures.Future[Any], what: str, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if outer.done():
+            return
+        if task.cancelled():
+            outer.set_exception(self._closed_error(what))
+        elif task.exception() is not None:
+            outer.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            outer.set_result(task.result())
+
+    def _closed_error(self, what: str) -> CommError:
+        return CommError(f"rank {self.rank}: cannot {what}: the communicator is closed")
+
+    def _stop_progress(
+        self,
+        thread: threading.Thread,
+        aclose: Callable[[], Coroutine[Any, Any, None]] | None = None,
+        timeout: float = 10,
+    ) -> None:
+        """Stop the progress thread: every submitted call ends, none is dropped.
+
+        Refuses new work, runs ``aclose`` (the backend's goodbyes) on the
+        loop, cancels the tasks still running (their callers get a
+        :class:`CommError`), stops the loop and fails whatever was submitted
+        but never started. Call from any thread but the progress thread.
+        """
+        loop = self.loop
+        if loop.is_closed():
+            return
+        with self._lock:
+            self._accepting = False
+
+        async def finish() -> None:
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # closing goes on regardless
+                    logger.debug("mpshuffle: error while closing communicator", exc_info=True)
+            current = asyncio.current_task()
+            running = [t for t in self._tasks if t is not current and not t.done()]
+            for t in running:
+                t.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+        if loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(finish(), loop).result(timeout)
+            except Exception:  # a stuck loop: stop it anyway
+                logger.debug("mpshuffle: communicator did not close cleanly", exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=timeout)
+        with self._lock:
+            left, self._unstarted = self._unstarted, {}
+        for outer, coro in left.items():
+            coro.close()
+            if not outer.done():
+                outer.set_exception(self._closed_error("run a call submitted while it closed"))
+        if not thread.is_alive():
+            loop.close()
+
     async def _run(self, coro: Any) -> Any:
         try:
             running = asyncio.get_running_loop()
@@ -293,7 +413,7 @@ class Communicator(abc.ABC):
             running = None
         if running is self.loop:
             return await coro
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+        return await asyncio.wrap_future(self._submit(coro, "run a call"))
 
     def _run_sync(self, coro: Any, timeout: float | None) -> Any:
         try:
@@ -303,5 +423,5 @@ class Communicator(abc.ABC):
         if running is self.loop:
             coro.close()
             raise RuntimeError("blocking communicator call on its own progress thread")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        fut = self._submit(coro, "run a call")
         return fut.result(None if timeout is None else timeout + 5)

@@ -34,8 +34,5 @@ class LocalCommunicator(Communicator):
         self._deliver(dest, tag, frames)
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
+        """Stop the progress thread; calls still pending end with a ``CommError``. Idempotent."""
+        self._stop_progress(self._thread, timeout=5)

@@ -316,14 +316,5 @@ class TcpCommunicator(Communicator):
 
         Idempotent; safe to call from any thread other than the progress thread.
         """
-        if self._loop.is_closed():
-            return
         if threading.current_thread() is not self._thread:
-            try:
-                asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result(10)
-            except Exception:
-                logger.debug("mpshuffle: error while closing communicator", exc_info=True)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._stop_progress(self._thread, self._aclose)

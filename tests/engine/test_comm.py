@@ -1,0 +1,98 @@
+"""The communicator's contract with its callers, without a cluster: every call ends."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import threading
+import warnings
+from typing import Any
+
+import pytest
+
+from mpshuffle.comm import LocalCommunicator
+from mpshuffle.errors import CommError
+
+
+def _outcome(fut: concurrent.futures.Future[Any]) -> str:
+    """``"sent"`` or ``"refused"``; a future that never ends fails the test after 5 s."""
+    try:
+        fut.result(timeout=5)
+    except CommError as e:
+        assert "closed" in str(e), e
+        return "refused"
+    return "sent"
+
+
+@pytest.mark.parametrize("round_", range(20))
+def test_a_send_racing_close_is_sent_or_refused_never_dropped(round_: int) -> None:
+    """Sends started from another thread while the communicator closes.
+
+    A send whose coroutine the progress loop never started (it stopped in
+    between) used to be dropped: its future never ended and the coroutine
+    was garbage-collected unawaited (``RuntimeWarning: coroutine
+    'Communicator._send_checked' was never awaited``). Each must end, either
+    delivered or with a ``CommError`` saying the communicator is closed.
+    """
+    comm = LocalCommunicator()
+    got: list[Any] = []
+    comm.register_handler("t", lambda src, tag, frames: got.append(tag[1]))
+    futures: list[concurrent.futures.Future[Any]] = []
+    started = threading.Event()
+
+    def sender() -> None:
+        for i in range(2000):
+            futures.append(comm.send_nowait(0, ("t", i), [b"x"]))
+            if i == 50 + 40 * round_:
+                started.set()
+        started.set()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = threading.Thread(target=sender)
+        t.start()
+        started.wait(5)
+        comm.close()
+        t.join(10)
+        outcomes = [_outcome(f) for f in futures]
+        futures.clear()
+        gc.collect()
+    unawaited = [w for w in caught if "never awaited" in str(w.message)]
+    assert unawaited == []
+    assert len(outcomes) == 2000
+    # Delivered messages are exactly the ones reported sent, in order.
+    assert got == [i for i, o in enumerate(outcomes) if o == "sent"]
+    assert "refused" in outcomes  # the close did interrupt the stream
+
+
+def test_calls_after_close_fail_at_once() -> None:
+    comm = LocalCommunicator()
+    comm.close()
+    with pytest.raises(CommError, match="closed"):
+        comm.send_nowait(0, ("t",), [b"x"]).result(timeout=1)
+    with pytest.raises(CommError, match="closed"):
+        comm.send(0, ("t",), [b"x"], timeout=1)
+    with pytest.raises(CommError, match="closed"):
+        comm.recv(0, ("t",), timeout=1)
+    comm.close()  # idempotent
+
+
+def test_a_wait_interrupted_by_close_ends_with_comm_error() -> None:
+    comm = LocalCommunicator()
+    result: list[BaseException] = []
+    waiting = threading.Event()
+
+    def waiter() -> None:
+        waiting.set()
+        try:
+            comm.recv(0, ("never",), timeout=60)
+        except BaseException as e:  # noqa: BLE001 - kept for the assertion
+            result.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    waiting.wait(5)
+    comm.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert len(result) == 1 and isinstance(result[0], CommError)
