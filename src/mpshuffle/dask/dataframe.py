@@ -194,9 +194,10 @@ def _warm_up() -> None:
     options = resolve_options()
     options.check_distributed()
     register_plugins(client)
-    # Options resolved here only seed the first generation: one the user
-    # bootstrapped with keyword arguments (spill_host=...) must be kept, not
-    # replaced by one with the dask.config defaults.
+    # Options resolved here only seed the first generation: options the user
+    # bootstrapped with (spill_host=...) must be kept, also for a generation
+    # bootstrapped after the last one was retired (a worker left, a rank timed
+    # out), not replaced by the dask.config defaults.
     client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(options))
 
 
@@ -204,6 +205,6 @@ async def _warm_up_generation(options: dict[str, Any], dask_scheduler: Any = Non
     from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
 
     plugin = dask_scheduler.plugins[ShuffleSchedulerPlugin.name]
-    return await plugin.ensure_generation(None if plugin.generation is not None else options)
+    return await plugin.ensure_generation(options, seed=True)
 
 

@@ -155,7 +155,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 self.scheduler.handlers.pop(name, None)
 
     # -- generations -----------------------------------------------------
-    async def ensure_generation(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def ensure_generation(
+        self, options: dict[str, Any] | None = None, *, seed: bool = False
+    ) -> dict[str, Any]:
         """Bootstrap a generation on the current workers unless the current one matches.
 
         Calls are serialized (an :class:`asyncio.Lock`), so clients that
@@ -165,7 +167,13 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         ----------
         options
             Resolved :class:`~mpshuffle.config.Options` as a dict, or ``None``
-            to keep the current generation's (or the scheduler's defaults).
+            for the options chosen last (by the last explicit bootstrap; the
+            scheduler's ``dask.config`` before any).
+        seed
+            ``options`` only stand in until some are chosen: once a bootstrap
+            chose options, they are kept. Shuffles that bootstrap for the user
+            pass their ``dask.config`` this way, so a generation retired after
+            a fault comes back with the user's options, not the defaults.
 
         Returns
         -------
@@ -180,6 +188,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         """
         assert self.scheduler is not None and self._lock is not None
         async with self._lock:
+            if seed and self._options is not None:
+                options = None
             return await self._ensure_generation(options)
 
     async def _ensure_generation(self, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -188,7 +198,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         if not workers:
             raise BootstrapError("cannot bootstrap mpshuffle: the cluster has no workers")
         gen = self.generation
-        # Options outlive a generation dropped because a worker left.
+        # Options outlive a generation dropped because a worker left or a rank
+        # stopped answering: the next one is bootstrapped with the same.
         opts = Options(**options) if options is not None else (self._options or resolve_options())
         try:
             # mpshuffle.comm in dask.config reaches here without a client-side check
