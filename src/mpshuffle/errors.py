@@ -65,7 +65,20 @@ class ShuffleTimeoutError(ShuffleError, TimeoutError):
     """A wait of a shuffle (a send, the barrier, an extract) ran past its timeout.
 
     The message names the ranks and workers that were waited for.
+
+    Parameters
+    ----------
+    message
+        What was waited for, naming the ranks.
+    missing
+        The ranks waited for in vain (ascending), where known.
     """
+
+    missing: tuple[int, ...]
+
+    def __init__(self, message: str, missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 class PartitionGoneError(ShuffleError):

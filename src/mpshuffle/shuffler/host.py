@@ -177,15 +177,18 @@ class Shuffler:
                     sizes[dest] = 0
             for dest, batch in batches.items():
                 self._send_after(in_flight, dest, (input_index, attempt), batch, timeout)
-            for fut in in_flight.values():
-                fut.result(timeout)
+            # One deadline for the last chunks: the error names every rank
+            # that did not take its chunk, after one timeout at most.
+            deadline, unsent = time.monotonic() + timeout, []
+            for dest, fut in in_flight.items():
+                try:
+                    fut.result(max(0.0, deadline - time.monotonic()))
+                except concurrent.futures.TimeoutError:
+                    unsent.append(dest)
+            if unsent:
+                self._raise_unsent(unsent, timeout)
         except CommError as e:
             raise ShuffleError(f"sending a chunk of shuffle op {self.op_id} failed: {e}") from e
-        except concurrent.futures.TimeoutError:
-            raise ShuffleTimeoutError(
-                f"shuffle op {self.op_id} on rank {self.comm.rank}: a send did not complete within "
-                f"{timeout:g} s"
-            ) from None
         finally:
             reservation.release()
         with self._lock:
@@ -197,11 +200,29 @@ class Shuffler:
         batch: list[tuple[int, PackedData]], timeout: float,
     ) -> None:
         """Send a chunk to ``dest`` once the previous chunk to ``dest`` has gone."""
-        previous = in_flight.pop(dest, None)
+        previous = in_flight.get(dest)
         if previous is not None:
-            previous.result(timeout)
+            try:
+                previous.result(timeout)
+            except concurrent.futures.TimeoutError:
+                self._raise_unsent([dest], timeout)
             self._raise_if_failed()
         in_flight[dest] = self._send_chunk(dest, source, batch)
+
+    def _raise_unsent(self, dests: list[int], timeout: float) -> None:
+        """Raise the timeout of sends that did not complete, naming the ranks that stopped reading.
+
+        A send completes when the transport took the chunk; one that does not
+        within ``timeout`` means its destination stopped reading (the
+        transport's buffers are full), so the error names the destination,
+        not this rank.
+        """
+        who = ", ".join(f"rank {d} ({self.comm.addresses[d] or 'local'})" for d in sorted(dests))
+        raise ShuffleTimeoutError(
+            f"shuffle op {self.op_id}: {who} did not take a chunk from rank {self.comm.rank} within "
+            f"{timeout:g} s (it stopped reading)",
+            missing=tuple(sorted(dests)),
+        )
 
     def _send_chunk(self, dest: int, source: tuple[int, str], batch: list[tuple[int, PackedData]]) -> Any:
         input_index, attempt = source
@@ -321,7 +342,8 @@ class Shuffler:
                 missing = sorted(set(range(self.comm.nranks)) - self._acks)
                 who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
                 raise ShuffleTimeoutError(
-                    f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s"
+                    f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s",
+                    missing=tuple(missing),
                 )
         self._raise_if_failed()
         # Our own ack came after our insert_finished, so _owned is set by now.
@@ -351,7 +373,8 @@ class Shuffler:
                 who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
                 raise ShuffleTimeoutError(
                     f"shuffle op {self.op_id} on rank {self.comm.rank}: data from {who} "
-                    f"did not arrive within {timeout:g} s"
+                    f"did not arrive within {timeout:g} s",
+                    missing=tuple(missing),
                 )
         self._raise_if_failed()
         self.statistics["seconds_wait"] += time.perf_counter() - t0

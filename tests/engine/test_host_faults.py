@@ -1,0 +1,121 @@
+"""Host shuffler on several in-process ranks, one of which stops reading (issue 18, fault 2).
+
+A rank that stops reading (its process is stopped, not dead) leaves its
+peers' sends incomplete: the transport's buffers are full. The error must
+name that rank, not the one reporting it. The fault is a communicator
+subclass whose sends to the frozen rank never complete until released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import pandas as pd
+import pytest
+
+from mpshuffle.comm.base import Communicator, Frames, Tag
+from mpshuffle.errors import ShuffleTimeoutError
+from mpshuffle.memory import BufferResource
+from mpshuffle.shuffler.host import Shuffler
+from mpshuffle.table import PandasAdapter
+
+
+class _Group(Communicator):
+    """One rank of an in-process group; sends to ``frozen`` ranks wait until ``thaw`` is set."""
+
+    def __init__(self, rank: int, nranks: int, group: list[_Group], frozen: set[int], thaw: threading.Event) -> None:
+        super().__init__(rank, nranks)
+        self.group, self.frozen, self.thaw = group, frozen, thaw
+        self.addresses = [f"mem://{r}" for r in range(nranks)]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"test-group-{rank}")
+        self._thread.start()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    async def _send(self, dest: int, tag: Tag, frames: Frames) -> None:
+        if dest in self.frozen:
+            # The frozen rank's socket buffer is full: the write never completes.
+            await asyncio.to_thread(self.thaw.wait)
+            return
+        peer = self.group[dest]
+        peer.loop.call_soon_threadsafe(peer._deliver, self.rank, tag, [bytes(memoryview(f)) for f in frames])
+
+    def close(self) -> None:
+        self._stop_progress(self._thread, timeout=5)
+
+
+@pytest.fixture
+def ranks() -> Iterator[tuple[list[Shuffler], set[int], threading.Event]]:
+    nranks, frozen, thaw = 3, set[int](), threading.Event()
+    group: list[_Group] = []
+    group.extend(_Group(r, nranks, group, frozen, thaw) for r in range(nranks))
+    shufflers = [Shuffler(c, 7, resource=BufferResource(), batch_bytes=64) for c in group]
+    for c, s in zip(group, shufflers, strict=True):
+        c.register_handler("mps", s.receive)
+    yield shufflers, frozen, thaw
+    thaw.set()
+    for s in shufflers:
+        s.close()
+    for c in group:
+        c.close()
+
+
+def _pieces(n: int, npartitions: int) -> dict[int, object]:
+    frame = pd.DataFrame({"k": range(n), "v": range(n)})
+    return PandasAdapter().split(frame, ["k"], npartitions)
+
+
+@pytest.mark.parametrize("batches", ["one-chunk", "several-chunks"])
+def test_a_send_that_does_not_complete_names_the_rank_that_stopped_reading(
+    ranks: tuple[list[Shuffler], set[int], threading.Event], batches: str
+) -> None:
+    shufflers, frozen, _ = ranks
+    frozen.add(2)
+    # With batch_bytes=64 every piece is its own chunk: the second chunk to
+    # rank 2 waits for the first (back-pressure), the case of a large input.
+    pieces = _pieces(60 if batches == "several-chunks" else 30, 6)
+    assert {2, 5} & set(pieces)  # some piece goes to rank 2
+    if batches == "one-chunk":
+        shufflers[1]._batch_bytes = 1 << 30
+    t0 = time.monotonic()
+    with pytest.raises(ShuffleTimeoutError) as info:
+        shufflers[1].insert(0, pieces, 0.3)
+    elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert info.value.missing == (2,)
+    assert "rank 2 (mem://2) did not take a chunk from rank 1 within 0.3 s" in message
+    assert "rank 0" not in message  # a healthy peer is never blamed
+    assert elapsed < 0.3 * 2 + 1  # one wait, not one per chunk
+
+
+def test_sends_to_every_rank_that_stopped_reading_are_named(
+    ranks: tuple[list[Shuffler], set[int], threading.Event],
+) -> None:
+    shufflers, frozen, _ = ranks
+    frozen.update({0, 2})
+    shufflers[1]._batch_bytes = 1 << 30
+    with pytest.raises(ShuffleTimeoutError) as info:
+        shufflers[1].insert(0, _pieces(6, 6), 0.3)
+    assert info.value.missing == (0, 2)
+    assert "rank 0 (mem://0), rank 2 (mem://2) did not take a chunk from rank 1" in str(info.value)
+
+
+def test_healthy_ranks_shuffle_exactly(ranks: tuple[list[Shuffler], set[int], threading.Event]) -> None:
+    """The same group without a frozen rank: every row arrives once (the harness is sound)."""
+    shufflers, _, _ = ranks
+    adapter = PandasAdapter()
+    frame = pd.DataFrame({"k": range(90), "v": range(90)})
+    for i in range(3):
+        part = frame.iloc[i * 30 : (i + 1) * 30]
+        shufflers[i].insert(i, adapter.split(part, ["k"], 6), 5)
+    shufflers[0].barrier(6, 5)
+    rows = []
+    for j in range(6):
+        rows.extend(adapter.unpack(shufflers[j % 3].extract(j, 5), frame.iloc[:0])["v"].tolist())
+    assert sorted(rows) == list(range(90))
