@@ -1,9 +1,10 @@
-"""Arrow IPC packing shared by the adapters: header codec, split of a table, read back.
+"""Arrow IPC and pickle pieces: the header codec, row grouping, IPC write and read back.
 
-A piece is written as one Arrow IPC *stream* (schema message + record
-batches) into one ``pyarrow.Buffer``; the schema carries pandas' metadata
-(categories, time zones, nullable and string dtypes), so the reader rebuilds
-the same dtypes. The adapter metadata (the "header") is small JSON:
+Pieces of the built-in adapters are raw column buffers
+(:mod:`mpshuffle.table._columns`); this module serves the pandas adapter's
+whole-frame pickle fallback, the IPC streams of columns without a raw
+layout, and pieces of these two formats written by other code. The adapter
+metadata (the "header") of such a piece is small JSON:
 ``{"fmt": "arrow" | "pickle", "names": [...]}`` where ``names`` (optional) are
 the original column names when they are not all strings.
 """
@@ -11,7 +12,6 @@ the original column names when they are not all strings.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,21 +19,14 @@ import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.memory.packed import PackedData
 
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["Header", "read_ipc", "split_by_ids", "split_table", "write_ipc"]
+__all__ = ["Header", "read_ipc", "split_by_ids", "write_ipc"]
 
 ARROW = "arrow"
 PICKLE = "pickle"
-
-#: Rows gathered at a time by :func:`split_table`: 32768 rows of a few
-#: columns stay in a 1 MiB L2 cache while they are gathered (measured best
-#: of 8k..128k on an AMD EPYC with 1 MiB L2).
-GATHER_BLOCK_ROWS = 32768
-
 
 @dataclass(frozen=True)
 class Header:
@@ -83,8 +76,7 @@ class Header:
 def write_ipc(table: pa.Table) -> pa.Buffer:
     """Serialize a table (or a zero-copy slice of one) as one Arrow IPC stream.
 
-    This is the one serialization copy of a piece: the IPC writer copies only
-    the sliced range of each buffer.
+    The IPC writer copies only the sliced range of each buffer.
     """
     # Size the stream first (no data is copied) and write into one buffer of
     # that size: a growing BufferOutputStream copies the data again at each
@@ -148,58 +140,3 @@ def _narrow(ids: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
     if top < 2**16:
         return ids.astype(np.uint16)
     return ids
-
-
-def split_table(
-    table: pa.Table,
-    ids: npt.NDArray[np.int64],
-    header: bytes,
-    serialize: Callable[[pa.Table], pa.Buffer] = write_ipc,
-) -> dict[int, PackedData]:
-    """Split a table into one IPC-packed piece per non-empty output partition.
-
-    Parameters
-    ----------
-    table
-        Shape ``(n, c)``.
-    ids
-        ``int64`` output partition id of each row, shape ``(n,)``.
-    header
-        Adapter metadata stored with each piece.
-    serialize
-        Writer of one piece; :func:`write_ipc` by default.
-
-    Returns
-    -------
-    dict
-        ``{partition_id: PackedData}``; rows of each piece in their original
-        order. Tables of more than :data:`GATHER_BLOCK_ROWS` rows are gathered
-        block by block; one gather (``take``), one concatenation of each
-        piece's blocks and one serialization copy in total.
-    """
-    if table.num_rows <= GATHER_BLOCK_ROWS:
-        order, runs = split_by_ids(ids)
-        if order is not None:
-            table = table.take(order)
-        return {
-            pid: PackedData(header, serialize(table.slice(start, stop - start)), stop - start)
-            for pid, start, stop in runs
-        }
-    # Gather block by block: a gather of variable-width columns (strings)
-    # over the whole table reads at random from memory far larger than the
-    # cache and ran 1.8x slower than this (CPU time, 800k rows, 60 partitions).
-    parts: dict[int, list[pa.Table]] = {}
-    for start in range(0, table.num_rows, GATHER_BLOCK_ROWS):
-        block = table.slice(start, GATHER_BLOCK_ROWS)
-        order, runs = split_by_ids(ids[start : start + GATHER_BLOCK_ROWS])
-        if order is not None:
-            block = block.take(order)
-        for pid, lo, hi in runs:
-            parts.setdefault(pid, []).append(block.slice(lo, hi - lo))
-    out = {}
-    for pid in sorted(parts):
-        # One contiguous batch per piece, so that the receiver's output does
-        # not inherit one Arrow chunk per block.
-        piece = pa.concat_tables(parts.pop(pid)).combine_chunks()
-        out[pid] = PackedData(header, serialize(piece), piece.num_rows)
-    return out

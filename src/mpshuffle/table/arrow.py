@@ -1,6 +1,8 @@
 """Frame adapter for ``pyarrow.Table``.
 
-Pieces are Arrow IPC streams (see :mod:`mpshuffle.table._ipc`). On unpack
+Pieces are Arrow buffers scattered once per column
+(:mod:`mpshuffle.table._columns`; types with no raw layout there travel as
+Arrow IPC inside the piece). On unpack
 every column of every piece is cast to the meta's type when that is lossless
 (``null`` columns always; others when a safe cast round-trips to the same
 values), then the pieces are concatenated.
@@ -16,7 +18,8 @@ import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData
-from mpshuffle.table._ipc import ARROW, Header, read_ipc, split_table
+from mpshuffle.table._columns import arrow_columns, hash_ids, is_cols, pack, rank_ids, read_piece
+from mpshuffle.table._ipc import ARROW, Header, read_ipc
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
 
@@ -73,7 +76,7 @@ class ArrowAdapter(FrameAdapter):
         npartitions: int,
         ids: npt.NDArray[np.int64] | None = None,
     ) -> dict[int, PackedData]:
-        """Split by hash of ``on``: one gather, zero-copy slices, one IPC write each.
+        """Split by hash of ``on``: one hash pass, one scatter of each column (see ``_columns``).
 
         Returns
         -------
@@ -85,11 +88,24 @@ class ArrowAdapter(FrameAdapter):
         KeyError
             If a key column is missing.
         """
+        columns = arrow_columns(frame)
         if ids is None:
-            ids = self.partition_ids(frame, on, npartitions)
+            missing = [c for c in on if c not in frame.column_names]
+            if missing:
+                raise KeyError(
+                    f"key column(s) {missing!r} not in table columns {frame.column_names!r}"
+                )
+            if frame.num_rows == 0:
+                return {}
+            by_name = dict(zip(frame.column_names, columns, strict=True))
+            split = hash_ids([by_name[c] for c in on], npartitions, frame.num_rows, list(on))
         else:
-            check_ids(np.asarray(ids), frame.num_rows, npartitions)
-        return split_table(frame, ids, Header(ARROW).encode())
+            ids = np.asarray(ids)
+            check_ids(ids, frame.num_rows, npartitions)
+            if frame.num_rows == 0:
+                return {}
+            split = rank_ids(ids, npartitions)
+        return pack(columns, split, frame.schema)
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:
         """Concatenate pieces in order into a table with ``meta``'s schema.
@@ -106,9 +122,12 @@ class ArrowAdapter(FrameAdapter):
             return self.empty_like(meta)
         tables = []
         for piece in pieces:
-            if Header.decode(piece.metadata).fmt != ARROW:
+            if is_cols(piece.metadata):
+                table = read_piece(piece)[0]
+            elif Header.decode(piece.metadata).fmt != ARROW:
                 raise ShuffleError("the pyarrow adapter got a piece not packed as Arrow IPC")
-            table = read_ipc(piece.data)
+            else:
+                table = read_ipc(piece.data)
             self._check_names(table.column_names, schema)
             # Each piece is cast on its own: pieces of different input
             # partitions may differ (int32 here, int64 there), which no

@@ -39,6 +39,12 @@ The hash
 3. The partition id is ``acc % npartitions`` computed in ``uint64`` and cast to
    ``int64``; it never wraps for any ``npartitions`` below ``2**63``.
 
+:func:`partition_ids` computes this in one compiled pass per key column
+(:mod:`mpshuffle.table._kernels`) for integer, float, temporal and numpy
+boolean columns, and with :func:`combine_hashes` / :func:`ids_from_hashes`'
+arithmetic inside the same passes for the others; the tests compare both
+ways value by value.
+
 Nothing uses Python's ``hash()`` (salted per process), so ids are equal across
 processes, runs and machines that run the same pandas hashing; known values
 are pinned by ``tests/test_table.py::test_known_hash_values`` so that a change
@@ -54,7 +60,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from mpshuffle.table._canonical import NULL_HASH, hash_arrow_column, hash_pandas_column
+from mpshuffle.table._canonical import NULL_HASH
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -151,25 +157,19 @@ def partition_ids(keys: Any, npartitions: int) -> npt.NDArray[np.int64]:
         column holds values that cannot be hashed (lists, dicts); names the column.
     """
     _check_npartitions(npartitions)
+    from mpshuffle.table._columns import arrow_columns, hash_ids, key_columns
+
     if isinstance(keys, pd.DataFrame):
-        columns = [(keys.columns[i], keys.iloc[:, i], hash_pandas_column) for i in range(keys.shape[1])]
+        columns, names = key_columns(keys), list(keys.columns)
     elif isinstance(keys, pa.Table):
-        columns = [(name, col, hash_arrow_column) for name, col in zip(keys.column_names, keys.columns)]
+        columns, names = arrow_columns(keys), list(keys.column_names)
     else:
         raise TypeError(
             f"partition_ids needs a pandas.DataFrame or pyarrow.Table, got {type(keys).__name__}"
         )
-    hashes = []
-    for name, column, hash_column in columns:
-        try:
-            hashes.append(hash_column(column))
-        except (TypeError, pa.ArrowNotImplementedError) as e:
-            raise TypeError(
-                f"key column {name!r} of dtype {getattr(column, 'dtype', None) or column.type} cannot "
-                f"be hashed ({e}); shuffle on columns of scalar values (numbers, strings, dates, "
-                "booleans, categoricals)"
-            ) from e
-    return ids_from_hashes(combine_hashes(hashes), npartitions)
+    if not columns:
+        raise ValueError("at least one key column is needed to hash-partition")
+    return hash_ids(columns, npartitions, len(keys), names).pid.astype(np.int64, copy=False)
 
 
 def partition_owner(partition_id: int, nranks: int) -> int:

@@ -2,17 +2,24 @@
 
 Packing
 -------
-A frame is converted to a ``pyarrow.Table`` once (``Table.from_pandas``),
-gathered once by partition (``take``) and each partition's zero-copy slice is
-written as an Arrow IPC stream, so pandas dtypes round-trip through the
-pandas metadata Arrow keeps in the schema: ``category`` (with categories),
-nullable ``Int64``/``boolean``, tz-aware datetimes, the ``str`` dtype.
+Each column is read as buffers where it lies (numpy values, or the Arrow
+buffers of Arrow-backed dtypes), hashed in one fused pass and scattered once
+into one buffer whose per-partition byte ranges are the pieces
+(:mod:`mpshuffle.table._columns`). The pieces carry the Arrow schema with
+pandas' metadata (from ``pyarrow.Schema.from_pandas``, which reads dtypes,
+not rows), so the reader rebuilds the same dtypes: ``category`` (with
+categories), nullable ``Int64``/``boolean``, tz-aware datetimes, the ``str``
+dtype.
 
-Frames Arrow cannot convert (an ``object`` column mixing dicts and numbers,
-say) fall back, losslessly, to pickle protocol 5 of the gathered pandas
-slices; the header flags the format, and :meth:`PandasAdapter.unpack` reads any
-mix of the two. Unpickling runs code chosen by the sender: pieces must come
-only from the shuffle's own ranks, which the communicator authenticates.
+Each column falls back on its own: a dtype with no raw layout (categoricals,
+nested or decimal types) travels as an Arrow IPC stream inside the piece; an
+``object`` column Arrow cannot hold losslessly (dicts mixed with numbers,
+say), or an ``ArrowDtype`` pandas cannot read back, travels as pickle
+protocol 5 of its values. Only a frame whose index levels Arrow cannot hold
+(with ``index=True``) is pickled whole. :meth:`PandasAdapter.unpack` reads
+any mix of these formats. Unpickling runs code chosen by the sender: pieces
+must come only from the shuffle's own ranks, which the communicator
+authenticates.
 
 Column names may be strings or integers (or any JSON scalar): Arrow field names
 are ``str(name)``, and the original names travel in the header. Names must be
@@ -31,7 +38,16 @@ import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData
-from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids, split_table
+from mpshuffle.table._columns import (
+    Column,
+    hash_ids,
+    is_cols,
+    pack,
+    pandas_columns,
+    rank_ids,
+    read_piece,
+)
+from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids
 from mpshuffle.table._reconcile import check_columns, reconcile
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
@@ -66,37 +82,57 @@ _OBJECT_SAFE = (
 )
 
 
-def _arrow_dtypes_round_trip(frame: pd.DataFrame) -> bool:
-    """Whether pyarrow's ``to_pandas`` can read back every ``ArrowDtype`` column.
+def _arrow_dtype_round_trips(frame: pd.DataFrame, position: int) -> bool:
+    """Whether pyarrow's ``to_pandas`` can read back an ``ArrowDtype`` column.
 
     It rebuilds extension dtypes from their names in the pandas metadata, and
     pandas cannot parse the names of some Arrow types (nested ones such as
     ``list<item: int64>[pyarrow]`` everywhere, dictionary ones under pandas 2);
-    such frames travel pickled instead. Tried on the frame's first zero rows
-    of those columns, so the answer is the installed pandas' and pyarrow's.
+    such columns travel pickled instead. Tried on the column's first zero
+    rows, so the answer is the installed pandas' and pyarrow's.
     """
-    positions = [i for i, d in enumerate(frame.dtypes) if isinstance(d, pd.ArrowDtype)]
-    if not positions:
-        return True
-    probe = frame.iloc[:0, positions]
     try:
-        pa.Table.from_pandas(probe, preserve_index=False).to_pandas()
+        pa.Table.from_pandas(frame.iloc[:0, [position]], preserve_index=False).to_pandas()
     except Exception:  # noqa: BLE001 - any failure to read back means: do not use Arrow
         return False
     return True
 
 
-def _objects_round_trip(frame: pd.DataFrame, table: pa.Table, index: bool) -> bool:
-    """Whether every ``object`` column (and kept index level) got an Arrow type that round-trips."""
-    dtypes = list(frame.dtypes)
-    # Kept index levels follow the columns in the table.
-    if index and not isinstance(frame.index, pd.RangeIndex):
-        dtypes += list(frame.index.dtypes) if frame.index.nlevels > 1 else [frame.index.dtype]
-    for i, dtype in enumerate(dtypes):
-        if dtype == object and i < table.num_columns:
-            t = table.schema.field(i).type
-            if not any(ok(t) for ok in _OBJECT_SAFE):
-                return False
+def _object_type_round_trips(t: pa.DataType) -> bool:
+    return any(ok(t) for ok in _OBJECT_SAFE)
+
+
+def _pickled_positions(frame: pd.DataFrame) -> list[int]:
+    """Positions of the columns that must travel pickled (each column decides alone).
+
+    An ``object`` column that Arrow cannot convert, or converts to a type
+    that does not come back as the same Python objects (see
+    ``_OBJECT_SAFE``), and an ``ArrowDtype`` column pandas cannot read back.
+    """
+    out = []
+    for i, dtype in enumerate(frame.dtypes):
+        if isinstance(dtype, pd.ArrowDtype):
+            if not _arrow_dtype_round_trips(frame, i):
+                out.append(i)
+        elif dtype == object:
+            try:
+                t = pa.array(frame.iloc[:, i], from_pandas=True).type
+            except _ARROW_CONVERSION_ERRORS:
+                out.append(i)
+                continue
+            if not _object_type_round_trips(t):
+                out.append(i)
+    return out
+
+
+def _objects_round_trip_index(frame: pd.DataFrame, index_columns: Sequence[Column]) -> bool:
+    """Whether every ``object`` index level got an Arrow type that round-trips."""
+    if isinstance(frame.index, pd.RangeIndex):
+        return True
+    dtypes = list(frame.index.dtypes) if frame.index.nlevels > 1 else [frame.index.dtype]
+    for dtype, col in zip(dtypes, index_columns, strict=False):
+        if dtype == object and col.array is not None and not _object_type_round_trips(col.array.type):
+            return False
     return True
 
 
@@ -123,6 +159,18 @@ def _nullable_ints(table: pa.Table, frame: pd.DataFrame) -> pd.DataFrame:
         frame = frame.copy(deep=False)
         for name, series in fixed.items():
             frame[name] = series
+    return frame
+
+
+def _insert_pickled(frame: pd.DataFrame, pickled: Sequence[dict[int, pd.Series]]) -> pd.DataFrame:
+    """Put pickled columns back at their positions, concatenated over the pieces."""
+    if not pickled or not pickled[0]:
+        return frame
+    frame = frame.copy(deep=False)
+    for position in sorted(pickled[0]):
+        parts = [p[position] for p in pickled]
+        values = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+        frame.insert(position, parts[0].name, values.array)
     return frame
 
 
@@ -200,19 +248,41 @@ class PandasAdapter(FrameAdapter):
             scalars while some are not strings.
         """
         if ids is None:
-            ids = self.partition_ids(frame, on, npartitions)
+            missing = [c for c in on if c not in frame.columns]
+            if missing:
+                raise KeyError(
+                    f"key column(s) {missing!r} not in frame columns {list(frame.columns)!r}"
+                )
         else:
-            check_ids(np.asarray(ids), len(frame), npartitions)
+            ids = np.asarray(ids)
+            check_ids(ids, len(frame), npartitions)
         names = self._names(frame)
-        if not _arrow_dtypes_round_trip(frame):
-            return self._split_pickle(frame, ids)
+        if len(frame) == 0:
+            return {}
+        pickled = _pickled_positions(frame)
+        kept = frame.iloc[:, [i for i in range(frame.shape[1]) if i not in pickled]] if pickled else frame
         try:
-            table = pa.Table.from_pandas(frame, preserve_index=self.index)
+            schema = pa.Schema.from_pandas(kept, preserve_index=self.index)
+            columns = pandas_columns(kept, self.index, schema)
         except _ARROW_CONVERSION_ERRORS:
-            return self._split_pickle(frame, ids)
-        if not _objects_round_trip(frame, table, self.index):
-            return self._split_pickle(frame, ids)
-        return split_table(table, ids, Header(ARROW, names).encode())
+            return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
+        if self.index and not _objects_round_trip_index(frame, columns[kept.shape[1]:]):
+            return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
+        by_name = {str(c): col for c, col in zip(kept.columns, columns, strict=False)}
+        for i in pickled:
+            col = Column("pickle", i, series=frame.iloc[:, i], source=frame.iloc[:, i])
+            columns.append(col)
+            by_name[str(frame.columns[i])] = col
+        if ids is None:
+            split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on))
+        else:
+            split = rank_ids(ids, npartitions)
+        return pack(columns, split, schema, names)
+
+    def _ids(
+        self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int, ids: Any
+    ) -> npt.NDArray[np.int64]:
+        return self.partition_ids(frame, on, npartitions) if ids is None else ids
 
     def _names(self, frame: pd.DataFrame) -> tuple[Any, ...] | None:
         columns = list(frame.columns)
@@ -258,6 +328,8 @@ class PandasAdapter(FrameAdapter):
         """
         if not pieces:
             return self.empty_like(meta)
+        if all(is_cols(p.metadata) for p in pieces):
+            return reconcile(self._unpack_cols(pieces, meta), meta)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
             tables = [read_ipc(p.data) for p in pieces]
@@ -270,20 +342,42 @@ class PandasAdapter(FrameAdapter):
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 # Types Arrow cannot unify: let pandas concatenate (to object)
                 # and reconcile name the column that does not fit the meta.
-                frame = self._concat_frames(pieces, headers, meta)
+                frame = self._concat_frames(pieces, meta)
         else:
-            frame = self._concat_frames(pieces, headers, meta)
+            frame = self._concat_frames(pieces, meta)
         return reconcile(frame, meta)
 
-    def _concat_frames(
-        self, pieces: Sequence[PackedData], headers: list[Header], meta: pd.DataFrame
-    ) -> pd.DataFrame:
+    def _unpack_cols(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
+        parts = [read_piece(p) for p in pieces]
+        header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
+        for table, pickled, _ in parts:
+            names = self._restored(_data_fields(table), header) + [s.name for s in pickled.values()]
+            check_columns(names, meta)
+        if len({tuple(sorted(p)) for _, p, _ in parts}) > 1:
+            # A column pickled in some input partitions and not in others:
+            # let pandas concatenate (to object); reconcile checks the meta.
+            return self._concat_frames(pieces, meta)
+        try:
+            frame = self._to_pandas(
+                pa.concat_tables([t for t, _, _ in parts], promote_options="default"), header
+            )
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            return self._concat_frames(pieces, meta)
+        return _insert_pickled(frame, [p for _, p, _ in parts])
+
+    def _concat_frames(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
         frames = []
-        for piece, header in zip(pieces, headers, strict=True):
-            if header.fmt == PICKLE:
-                part = pickle.loads(piece.data)
+        for piece in pieces:
+            if is_cols(piece.metadata):
+                table, pickled, names = read_piece(piece)
+                header = Header(ARROW, tuple(names) if names is not None else None)
+                part = _insert_pickled(self._to_pandas(table, header), [pickled])
             else:
-                part = self._to_pandas(read_ipc(piece.data), header)
+                header = Header.decode(piece.metadata)
+                if header.fmt == PICKLE:
+                    part = pickle.loads(piece.data)
+                else:
+                    part = self._to_pandas(read_ipc(piece.data), header)
             check_columns(list(part.columns), meta)
             frames.append(part)
         return pd.concat(frames, ignore_index=not self.index)

@@ -1,0 +1,563 @@
+"""Columns as raw buffers: hash them, scatter them into pieces, read pieces back.
+
+The insert of a frame with ``n`` rows into ``P`` partitions is:
+
+1. **to buffers** (:func:`pandas_columns`, :func:`arrow_columns`): each column
+   becomes a :class:`Column` that points at the frame's own memory — numpy
+   values of numeric columns as they are (no NaN scan), the Arrow buffers of
+   Arrow-backed ones (``str``, nullable, tz-aware, ...). A column whose type
+   has no raw layout here (dictionary, nested, decimal, ...) stays an Arrow
+   array and travels as an Arrow IPC stream; an ``object`` column Arrow
+   cannot hold losslessly travels pickled. Each column falls back alone.
+2. **hash** (:func:`hash_ids`): one pass per key column computes the
+   documented hash (:mod:`mpshuffle.table.hashing`), and the last one also
+   gives every row its partition, its rank within the partition and the
+   partition's row count (a stable counting sort).
+3. **scatter** (:func:`pack`): every column is written once, straight into
+   one buffer in which each partition's piece is one contiguous byte range,
+   laid out as Arrow buffers (validity bitmap, offsets, data). The pieces are
+   zero-copy slices of that buffer: there is no serialization copy.
+
+A piece's metadata (:class:`Layout` bytes) is the schema and column layout
+shared by all pieces of one insert, then the piece's own buffer offsets.
+:func:`read_piece` rebuilds a zero-copy ``pyarrow.Table`` from it (and
+unpickles pickled columns).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from mpshuffle.memory.packed import PackedData
+from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
+from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+__all__ = [
+    "COLS",
+    "Column",
+    "Split",
+    "arrow_columns",
+    "hash_ids",
+    "is_cols",
+    "key_columns",
+    "pack",
+    "pandas_columns",
+    "rank_ids",
+    "read_piece",
+]
+
+#: First bytes of the metadata of a piece in this format.
+COLS = b"MPSC\x01"
+_U32 = struct.Struct("<I")
+_ALIGN = 64
+_WORD = 8
+_NS_PER_UNIT = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
+_NS_PER_DAY = 86_400 * 1_000_000_000
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_COMPILE_LOCK = threading.Lock()
+
+
+def _kernels() -> Any:
+    # Two task threads may ask first at once; compile (or load) once.
+    with _COMPILE_LOCK:
+        return kernels()
+
+
+@dataclass
+class Column:
+    """One column of a frame, as buffers.
+
+    Attributes
+    ----------
+    kind
+        ``"fixed"`` (``values``: one element of ``width`` bytes per row),
+        ``"bits"`` (booleans: ``values`` one byte per row when
+        ``from_bytes``, else an Arrow bitmap starting at bit ``offset``),
+        ``"var"`` (strings/binary: ``offsets`` of shape ``(n + 1,)`` into the
+        bytes ``values``), ``"arrow"`` (no raw layout: ``array`` travels as
+        IPC) or ``"pickle"`` (``series`` travels pickled).
+    validity
+        Arrow validity bitmap (uint8) when the column has nulls, else ``None``;
+        bit ``offset`` is row 0.
+    hashable
+        How the fused hash reads the column: ``"int"`` (``values`` integers,
+        times ``factor`` ns per unit), ``"float"`` (``values`` float64),
+        or ``""`` (hashed by the documented slower path from ``source``).
+    """
+
+    kind: str
+    field: int = -1
+    values: Any = None
+    offsets: Any = None
+    validity: Any = None
+    offset: int = 0
+    width: int = 0
+    from_bytes: bool = False
+    array: Any = None
+    series: Any = None
+    hashable: str = ""
+    factor: int = 1
+    source: Any = None
+    typed: Any = None
+
+
+def _arrow_column(array: pa.Array | pa.ChunkedArray, field: int) -> Column:
+    """Point a :class:`Column` at an Arrow array's buffers (zero copy)."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.chunk(0) if array.num_chunks == 1 else array.combine_chunks()
+    t = array.type
+    n, off = len(array), array.offset
+    bufs = array.buffers()
+    validity = None
+    if array.null_count and bufs[0] is not None:
+        validity = np.frombuffer(bufs[0], dtype=np.uint8)
+    col = Column("arrow", field, array=array, validity=validity, offset=off, source=array)
+    if pa.types.is_boolean(t):
+        col.kind, col.values = "bits", np.frombuffer(bufs[1], dtype=np.uint8)
+        return col
+    fixed = (
+        pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_temporal(t)
+    ) and not pa.types.is_float16(t)
+    if fixed and t.bit_width // 8 in _UINT:
+        width = t.bit_width // 8
+        col.kind, col.width = "fixed", width
+        col.values = np.frombuffer(bufs[1], dtype=_UINT[width])[off : off + n] if n else np.empty(0, _UINT[width])
+        if pa.types.is_integer(t):
+            col.hashable = "int"
+            col.typed = col.values.view(t.to_pandas_dtype())
+        elif pa.types.is_floating(t):
+            col.hashable = "float"
+        elif pa.types.is_temporal(t):
+            factor = _temporal_factor(t)
+            if factor is not None:
+                col.hashable, col.factor = "int", factor
+                col.typed = col.values.view({4: np.int32, 8: np.int64}[width])
+        return col
+    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        large = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+        odt = np.int64 if large else np.int32
+        col.kind, col.width = "var", 8 if large else 4
+        col.offsets = np.frombuffer(bufs[1], dtype=odt)[off : off + n + 1] if bufs[1] is not None else np.zeros(n + 1, odt)
+        col.values = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+        return col
+    return col
+
+
+def _temporal_factor(t: pa.DataType) -> int | None:
+    if pa.types.is_date32(t):
+        return _NS_PER_DAY
+    if pa.types.is_date64(t):
+        return _NS_PER_UNIT["ms"]
+    unit = getattr(t, "unit", None)
+    return _NS_PER_UNIT.get(unit) if unit is not None else None
+
+
+def pandas_columns(frame: pd.DataFrame, index: bool, schema: pa.Schema) -> list[Column]:
+    """Buffers of a frame's columns (and index levels when ``index``), in ``schema`` order.
+
+    ``schema`` is ``pyarrow.Schema.from_pandas`` of the frame without its
+    pickled columns; those come last, as ``"pickle"`` columns naming their
+    position in the frame in ``field``.
+    """
+    names = [str(c) for c in frame.columns]
+    position = {name: i for i, name in enumerate(names)}
+    index_fields = _index_fields(schema) if index else []
+    out = []
+    for k, field in enumerate(schema):
+        if field.name in position and field.name not in index_fields:
+            series = frame.iloc[:, position[field.name]]
+        else:
+            level = index_fields.index(field.name)
+            series = pd.Series(frame.index.get_level_values(level))
+        col = _pandas_column(series, field.type, k)
+        out.append(col)
+    return out
+
+
+def _index_fields(schema: pa.Schema) -> list[str]:
+    meta = schema.pandas_metadata or {}
+    return [c for c in meta.get("index_columns", []) if isinstance(c, str)]
+
+
+def _pandas_column(series: pd.Series, t: pa.DataType, field: int) -> Column:
+    dtype = series.dtype
+    if isinstance(dtype, np.dtype) and dtype.kind in "iuf" and dtype.itemsize in _UINT:
+        values = np.ascontiguousarray(series.to_numpy(copy=False))
+        if pa.from_numpy_dtype(dtype) == t:
+            col = Column("fixed", field, values=values.view(_UINT[dtype.itemsize]), width=dtype.itemsize,
+                         source=series)
+            col.hashable = "int" if dtype.kind in "iu" else ("float" if dtype.itemsize == 8 else "")
+            col.typed = values
+            return col
+    if isinstance(dtype, np.dtype) and dtype.kind == "b" and pa.types.is_boolean(t):
+        values = np.ascontiguousarray(series.to_numpy(copy=False))
+        col = Column("bits", field, values=values.view(np.uint8), from_bytes=True, source=series,
+                     hashable="int")
+        col.typed = values
+        return col
+    array = getattr(series.array, "_pa_array", None)
+    if array is None or array.type != t:
+        array = pa.array(series, type=t, from_pandas=True)
+    col = _arrow_column(array, field)
+    col.source = series
+    return col
+
+
+def key_columns(keys: pd.DataFrame) -> list[Column]:
+    """Key columns of a pandas frame for :func:`hash_ids`, without converting any.
+
+    numpy integer, float64 and boolean columns are read in place; every other
+    column is hashed by :func:`~mpshuffle.table._canonical.hash_pandas_column`.
+    """
+    out = []
+    for i in range(keys.shape[1]):
+        series = keys.iloc[:, i]
+        dtype = series.dtype
+        col = Column("arrow", i, source=series)
+        if isinstance(dtype, np.dtype) and (
+            dtype.kind in "iub" or (dtype.kind == "f" and dtype.itemsize == 8)
+        ):
+            values = np.ascontiguousarray(series.to_numpy(copy=False))
+            col.hashable = "float" if dtype.kind == "f" else "int"
+            col.values = values.view(np.uint64) if dtype.kind == "f" else values
+            col.typed = values
+        out.append(col)
+    return out
+
+
+def arrow_columns(table: pa.Table) -> list[Column]:
+    """Buffers of a table's columns, in order."""
+    return [_arrow_column(table.column(k), k) for k in range(table.num_columns)]
+
+
+def _null_bytes(col: Column, n: int) -> npt.NDArray[np.uint8]:
+    if col.validity is None:
+        return np.empty(0, np.uint8)
+    valid = np.unpackbits(col.validity, bitorder="little", count=col.offset + n)[col.offset :]
+    return (1 - valid).astype(np.uint8)
+
+
+def _pick_dtype(npartitions: int, nrows: int) -> tuple[Any, Any]:
+    pid = np.uint8 if npartitions <= 2**8 else np.uint16 if npartitions <= 2**16 else np.int64
+    rank = np.uint32 if nrows < 2**32 else np.int64
+    return pid, rank
+
+
+@dataclass
+class Split:
+    """Rows grouped by partition: ``pid[i]``, ``rank[i]`` (within its partition), ``counts[p]``."""
+
+    pid: Any
+    rank: Any
+    counts: Any
+
+
+def hash_ids(
+    keys: Sequence[Column], npartitions: int, nrows: int, names: Sequence[Any] | None = None
+) -> Split:
+    """Hash the key columns into partition ids, ranks and counts (see the module docstring).
+
+    Columns that the kernels read directly (integers, floats, dates and
+    times, numpy booleans) are hashed in the fused pass; any other key column
+    is hashed by :func:`~mpshuffle.table._canonical.hash_pandas_column` /
+    ``hash_arrow_column`` and combined in the same passes, so the ids are
+    exactly those of :func:`mpshuffle.table.hashing.partition_ids`.
+
+    Raises
+    ------
+    TypeError
+        If a key column holds values that cannot be hashed; names the column
+        (from ``names``, the key names in order).
+    """
+    k = _kernels()
+    pdt, rdt = _pick_dtype(npartitions, nrows)
+    pid = np.empty(nrows, pdt)
+    rank = np.empty(nrows, rdt)
+    counts = np.zeros(npartitions, np.int64)
+    acc = np.empty(nrows if len(keys) > 1 else 0, np.uint64)
+    npart = np.uint64(npartitions)
+    last = len(keys) - 1
+    for j, col in enumerate(keys):
+        mode = (FIRST_FINAL if j == 0 else COMBINE_FINAL) if j == last else (FIRST if j == 0 else COMBINE)
+        null = _null_bytes(col, nrows)
+        typed = col.typed
+        if col.hashable == "int" and typed is not None:
+            k.hash_ints(typed, null, np.int64(col.factor), mode, acc, npart, pid, rank, counts)
+        elif col.hashable == "float" and col.values.dtype == np.uint64:
+            k.hash_float_bits(col.values, null, mode, acc, npart, pid, rank, counts)
+        else:
+            src = col.source
+            try:
+                hashes = hash_pandas_column(src) if isinstance(src, pd.Series) else hash_arrow_column(src)
+            except (TypeError, pa.ArrowNotImplementedError) as e:
+                name = names[j] if names is not None else j
+                raise TypeError(
+                    f"key column {name!r} of dtype {getattr(src, 'dtype', None) or src.type} cannot "
+                    f"be hashed ({e}); shuffle on columns of scalar values (numbers, strings, "
+                    "dates, booleans, categoricals)"
+                ) from e
+            k.hash_given(np.ascontiguousarray(hashes, dtype=np.uint64), mode, acc, npart, pid, rank, counts)
+    return Split(pid, rank, counts)
+
+
+def rank_ids(ids: npt.NDArray[Any], npartitions: int) -> Split:
+    """Rank and count caller-given partition ids (already checked to be in range)."""
+    pdt, rdt = _pick_dtype(npartitions, len(ids))
+    pid = np.empty(len(ids), pdt)
+    rank = np.empty(len(ids), rdt)
+    counts = np.zeros(npartitions, np.int64)
+    _kernels().rank_ids(np.ascontiguousarray(ids), pid, rank, counts)
+    return Split(pid, rank, counts)
+
+
+def _words(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
+    """``data`` as overlapping ``uint64`` words: element ``x`` is bytes ``x .. x+7``.
+
+    Unaligned 8-byte loads and stores, which x86-64 and AArch64 do in hardware.
+    """
+    n = data.shape[0] - _WORD + 1
+    if n <= 0:
+        return np.zeros(0, np.uint64)
+    base = data[: _WORD * (data.shape[0] // _WORD)].view(np.uint64)
+    return np.lib.stride_tricks.as_strided(base, shape=(n,), strides=(1,))
+
+
+def _aligned(sizes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return (sizes + (_ALIGN - 1)) & ~(_ALIGN - 1)
+
+
+def _empty_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start : start + nbytes]
+
+
+def pack(
+    columns: Sequence[Column],
+    split: Split,
+    schema: pa.Schema | None,
+    names: Sequence[Any] | None = None,
+) -> dict[int, PackedData]:
+    """Scatter every column into one buffer; return one zero-copy piece per non-empty partition.
+
+    Parameters
+    ----------
+    columns
+        From :func:`pandas_columns` or :func:`arrow_columns`.
+    split
+        From :func:`hash_ids` or :func:`rank_ids`.
+    schema
+        Arrow schema of the non-pickled columns (with pandas' metadata for a
+        pandas frame); travels in every piece's metadata.
+    names
+        Original column names when some are not strings (see
+        :class:`~mpshuffle.table._ipc.Header`), else ``None``.
+
+    Returns
+    -------
+    dict
+        ``{partition_id: PackedData}``; every ``data`` is a slice of one buffer.
+    """
+    k = _kernels()
+    counts = split.counts
+    present = np.flatnonzero(counts)
+    npart = len(counts)
+    # Every buffer of every piece: (column, role) and its size per partition.
+    plan: list[tuple[int, str, npt.NDArray[np.int64]]] = []
+    slack: dict[int, int] = {}  # bytes a buffer needs past its data (scatter_var's word copies)
+    var_sizes: dict[int, npt.NDArray[np.int64]] = {}
+    arrow_cols = [c for c in columns if c.kind == "arrow"]
+    pickled = [c for c in columns if c.kind == "pickle"]
+    order = None
+    if arrow_cols or pickled:
+        order = np.argsort(split.pid, kind="stable")
+        starts = np.concatenate(([0], np.cumsum(counts)))
+    for j, col in enumerate(columns):
+        if col.kind in ("arrow", "pickle"):
+            continue
+        if col.validity is not None:
+            plan.append((j, "validity", (counts + 7) >> 3))
+        if col.kind == "fixed":
+            plan.append((j, "data", counts * col.width))
+        elif col.kind == "bits":
+            plan.append((j, "data", (counts + 7) >> 3))
+        else:
+            plan.append((j, "offsets", (counts + 1) * col.width))
+            var_sizes[j] = k.var_sizes(col.offsets, split.pid, npart)
+            plan.append((j, "data", var_sizes[j]))
+            slack[len(plan) - 1] = _WORD
+    blobs: dict[str, list[Any]] = {}
+    if arrow_cols:
+        sub = pa.Table.from_arrays([c.array for c in arrow_cols], names=[str(c.field) for c in arrow_cols])
+        sub = sub.take(order)
+        streams = [sub.slice(int(starts[p]), int(counts[p])) for p in range(npart)]
+        plan.append((-1, "ipc", np.array([_ipc_size(s) if counts[p] else 0 for p, s in enumerate(streams)])))
+        blobs["ipc"] = streams
+    for col in pickled:
+        values = col.series.take(order).reset_index(drop=True)
+        dumps = [
+            pickle.dumps(values.iloc[int(starts[p]) : int(starts[p] + counts[p])], protocol=5)
+            if counts[p] else b""
+            for p in range(npart)
+        ]
+        blobs[f"pickle{col.field}"] = dumps
+        plan.append((col.field, "pickle", np.array([len(d) for d in dumps], np.int64)))
+    aligned = (
+        np.stack([_aligned(s.astype(np.int64) + slack.get(b, 0)) for b, (_, _, s) in enumerate(plan)])
+        if plan else np.zeros((0, npart), np.int64)
+    )
+    aligned[:, counts == 0] = 0
+    within = np.cumsum(aligned, axis=0) - aligned  # offset of each buffer inside its piece
+    piece_size = aligned.sum(axis=0)
+    piece_base = np.cumsum(piece_size) - piece_size
+    total = int(piece_size.sum())
+    buf = _empty_aligned(max(total, 1))
+    at = piece_base[None, :] + within  # absolute byte offset of each buffer
+    for b, (j, role, _) in enumerate(plan):
+        if j < 0 or role == "pickle":
+            continue
+        col = columns[j]
+        if role == "validity":
+            k.scatter_bits(col.validity, col.offset, False, split.pid, split.rank, at[b], counts, buf)
+        elif role == "data" and col.kind == "fixed":
+            out = buf.view(_UINT[col.width])
+            k.scatter(col.values, split.pid, split.rank, at[b] // col.width, out)
+        elif role == "data" and col.kind == "bits":
+            k.scatter_bits(col.values, col.offset, col.from_bytes, split.pid, split.rank, at[b], counts, buf)
+        elif role == "offsets":
+            out_off = buf.view(np.int64 if col.width == 8 else np.int32)
+            k.scatter_var(col.offsets, col.values, _words(col.values), split.pid, split.rank, counts,
+                          at[b] // col.width, at[b + 1], out_off, buf, _words(buf))
+    for b, (j, role, sizes) in enumerate(plan):
+        if role == "ipc":
+            for p in present:
+                _write_ipc_into(blobs["ipc"][p], buf[at[b][p] : at[b][p] + sizes[p]])
+        elif role == "pickle":
+            for p in present:
+                buf[at[b][p] : at[b][p] + sizes[p]] = np.frombuffer(blobs[f"pickle{j}"][p], np.uint8)
+    common = _common_header(columns, plan, schema, names)
+    data = pa.py_buffer(buf)
+    sizes_all = np.stack([s.astype(np.int64) for _, _, s in plan]) if plan else aligned
+    # Per piece: (offset inside the piece, size) of each buffer, as <i8 pairs.
+    rel = np.stack([within, sizes_all], axis=2).astype("<i8")
+    pieces = {}
+    for p in present:
+        meta = common + rel[:, p, :].tobytes()
+        base, size = int(piece_base[p]), int(piece_size[p])
+        pieces[int(p)] = PackedData(meta, data.slice(base, size), int(counts[p]))
+    return pieces
+
+
+def _ipc_size(table: pa.Table) -> int:
+    mock = pa.MockOutputStream()
+    with pa.ipc.new_stream(mock, table.schema) as writer:
+        writer.write_table(table)
+    return int(mock.size())
+
+
+def _write_ipc_into(table: pa.Table, target: npt.NDArray[np.uint8]) -> None:
+    with pa.ipc.new_stream(pa.FixedSizeBufferWriter(pa.py_buffer(target)), table.schema) as writer:
+        writer.write_table(table)
+
+
+def _common_header(
+    columns: Sequence[Column], plan: list[tuple[int, str, Any]], schema: pa.Schema | None,
+    names: Sequence[Any] | None,
+) -> bytes:
+    desc = {
+        "names": list(names) if names is not None else None,
+        "cols": [[c.kind, c.field, c.width, c.validity is not None] for c in columns],
+        "plan": [[j, role] for j, role, _ in plan],
+    }
+    body = json.dumps(desc, separators=(",", ":")).encode()
+    schema_bytes = schema.serialize().to_pybytes() if schema is not None else b""
+    return COLS + _U32.pack(len(body)) + body + _U32.pack(len(schema_bytes)) + schema_bytes
+
+
+def is_cols(metadata: Any) -> bool:
+    """Whether a piece's metadata is of this format."""
+    return bytes(metadata[: len(COLS)]) == COLS
+
+
+@lru_cache(maxsize=64)
+def _parse_common(common: bytes) -> tuple[dict[str, Any], pa.Schema | None, int]:
+    n = len(COLS)
+    (blen,) = _U32.unpack_from(common, n)
+    desc = json.loads(common[n + 4 : n + 4 + blen])
+    (slen,) = _U32.unpack_from(common, n + 4 + blen)
+    start = n + 8 + blen
+    schema = pa.ipc.read_schema(pa.py_buffer(common[start : start + slen])) if slen else None
+    return desc, schema, start + slen
+
+
+def _split_metadata(metadata: bytes) -> tuple[dict[str, Any], pa.Schema | None, npt.NDArray[np.int64]]:
+    n = len(COLS)
+    (blen,) = _U32.unpack_from(metadata, n)
+    (slen,) = _U32.unpack_from(metadata, n + 4 + blen)
+    end = n + 8 + blen + slen
+    desc, schema, _ = _parse_common(bytes(metadata[:end]))
+    rel = np.frombuffer(metadata, dtype="<i8", offset=end).reshape(-1, 2)
+    return desc, schema, rel
+
+
+def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[Any] | None]:
+    """Rebuild a piece written by :func:`pack`, zero copy from its buffer.
+
+    Returns
+    -------
+    table
+        The non-pickled columns with the schema they were packed with.
+    pickled
+        Column position in the frame -> its values (a ``pandas.Series``).
+    names
+        The original column names when some were not strings, else ``None``.
+    """
+    desc, schema, rel = _split_metadata(bytes(piece.metadata))
+    n = piece.nrows
+    data = piece.data if isinstance(piece.data, pa.Buffer) else pa.py_buffer(piece.data)
+    bufs: dict[tuple[int, str], pa.Buffer] = {}
+    pickled: dict[int, pd.Series] = {}
+    ipc = None
+    for (j, role), (off, size) in zip(desc["plan"], rel.tolist(), strict=True):
+        region = data.slice(off, size)
+        if role == "ipc":
+            with pa.ipc.open_stream(region) as reader:
+                ipc = reader.read_all()
+        elif role == "pickle":
+            pickled[j] = pickle.loads(region)
+        else:
+            bufs[(j, role)] = region
+    arrays = []
+    assert schema is not None
+    ipc_k = 0
+    for j, (kind, field, _width, has_validity) in enumerate(desc["cols"]):
+        if kind == "pickle":
+            continue
+        t = schema.field(field).type
+        if kind == "arrow":
+            assert ipc is not None
+            arrays.append(ipc.column(ipc_k))
+            ipc_k += 1
+            continue
+        validity = bufs.get((j, "validity")) if has_validity else None
+        if kind == "var":
+            arr = pa.Array.from_buffers(t, n, [validity, bufs[(j, "offsets")], bufs[(j, "data")]])
+        else:
+            arr = pa.Array.from_buffers(t, n, [validity, bufs[(j, "data")]])
+        arrays.append(arr)
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    return table, pickled, desc["names"]

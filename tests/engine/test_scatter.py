@@ -1,0 +1,147 @@
+"""The fused hash and the counting-sort scatter against the reference (numpy/pandas) path.
+
+``mpshuffle.table._columns`` hashes key columns in compiled passes and
+scatters every column once into per-partition pieces; these tests compare
+its ids with the documented per-column hash combined by ``combine_hashes``
+and ``ids_from_hashes``, and its pieces with plain row selection, dtype by
+dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from mpshuffle.table import ArrowAdapter, PandasAdapter, partition_ids
+from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
+from mpshuffle.table._columns import read_piece
+from mpshuffle.table.hashing import combine_hashes, ids_from_hashes
+
+N = 3000
+RNG = np.random.default_rng(11)
+
+
+def _reference_ids(keys: Any, npartitions: int) -> np.ndarray:
+    if isinstance(keys, pd.DataFrame):
+        hashes = [hash_pandas_column(keys.iloc[:, i]) for i in range(keys.shape[1])]
+    else:
+        hashes = [hash_arrow_column(c) for c in keys.columns]
+    return ids_from_hashes(combine_hashes(hashes), npartitions)
+
+
+def _with_nulls(values: list[Any]) -> list[Any]:
+    return [None if i % 5 == 0 else v for i, v in enumerate(values)]
+
+
+KEY_COLUMNS = {
+    "int8": pd.Series(RNG.integers(-128, 127, N), dtype="int8"),
+    "int64": pd.Series(RNG.integers(-(2**62), 2**62, N)),
+    "uint64": pd.Series(RNG.integers(0, 2**64 - 1, N, dtype=np.uint64)),
+    "uint16": pd.Series(RNG.integers(0, 2**16, N), dtype="uint16"),
+    "float64": pd.Series(np.where(RNG.random(N) < 0.1, np.nan, RNG.standard_normal(N))),
+    "float64-zeros": pd.Series(RNG.choice([0.0, -0.0, np.nan, 1.5], N)),
+    "float32": pd.Series(RNG.standard_normal(N), dtype="float32"),
+    "bool": pd.Series(RNG.random(N) < 0.5),
+    "Int64": pd.Series(_with_nulls(RNG.integers(0, 50, N).tolist()), dtype="Int64"),
+    "Float64": pd.Series(_with_nulls(RNG.random(N).tolist()), dtype="Float64"),
+    "boolean": pd.Series(_with_nulls((RNG.random(N) < 0.5).tolist()), dtype="boolean"),
+    "datetime": pd.Series(pd.to_datetime(RNG.integers(0, 2**40, N), unit="s").astype("datetime64[us]")),
+    "datetime-tz-nat": pd.Series(
+        pd.to_datetime(_with_nulls(RNG.integers(0, 2**30, N).tolist()), unit="s", utc=True)
+    ),
+    "timedelta": pd.Series(pd.to_timedelta(RNG.integers(0, 2**30, N), unit="ms")),
+    "str": pd.Series(_with_nulls([f"s{i}" for i in RNG.integers(0, 100, N)]), dtype="str"),
+    "category": pd.Series([f"c{i}" for i in RNG.integers(0, 7, N)], dtype="category"),
+    "arrow-int32": pd.Series(_with_nulls(RNG.integers(0, 9, N).tolist()), dtype="int32[pyarrow]"),
+    "arrow-date": pd.Series(
+        pa.array(_with_nulls(RNG.integers(0, 20000, N).tolist()), pa.int32()).cast(pa.date32()),
+        dtype=pd.ArrowDtype(pa.date32()),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEY_COLUMNS))
+@pytest.mark.parametrize("npartitions", [1, 7, 300, 70000])
+def test_fused_ids_equal_reference_ids(name: str, npartitions: int) -> None:
+    frame = pd.DataFrame({"k": KEY_COLUMNS[name]})
+    expected = _reference_ids(frame, npartitions)
+    np.testing.assert_array_equal(partition_ids(frame, npartitions), expected)
+    # The adapter's split hashes from the columns' buffers: same ids.
+    pieces = PandasAdapter().split(frame, ["k"], npartitions)
+    assert {p: piece.nrows for p, piece in pieces.items()} == {
+        int(p): int(c) for p, c in zip(*np.unique(expected, return_counts=True), strict=True)
+    }
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    np.testing.assert_array_equal(partition_ids(table, npartitions), expected)
+
+
+def test_fused_ids_of_several_keys_equal_reference() -> None:
+    names = ["int64", "str", "float64-zeros", "Int64", "datetime-tz-nat"]
+    frame = pd.DataFrame({n: KEY_COLUMNS[n] for n in names})
+    for npartitions in (3, 1000):
+        expected = _reference_ids(frame, npartitions)
+        np.testing.assert_array_equal(partition_ids(frame, npartitions), expected)
+        pieces = PandasAdapter().split(frame, names, npartitions)
+        for pid, piece in pieces.items():
+            assert piece.nrows == int((expected == pid).sum())
+
+
+def _frame() -> pd.DataFrame:
+    n = 5000
+    return pd.DataFrame(
+        {
+            "key": RNG.integers(0, 1000, n),
+            "x": np.where(RNG.random(n) < 0.1, np.nan, RNG.random(n)),
+            "s": pd.array([f"v{i}" if i % 7 else None for i in range(n)], dtype="str"),
+            "o": pd.Series([f"o{i}" if i % 3 else None for i in range(n)], dtype=object),
+            "b": RNG.random(n) < 0.3,
+            "nb": pd.array([None if i % 4 == 0 else i % 3 == 0 for i in range(n)], dtype="boolean"),
+            "ni": pd.array([None if i % 6 == 0 else i for i in range(n)], dtype="Int32"),
+            "c": pd.Categorical([f"c{i % 5}" for i in range(n)]),
+            "t": pd.date_range("2020-01-01", periods=n, freq="h", tz="Europe/Paris"),
+            "u8": RNG.integers(0, 255, n).astype("uint8"),
+            "f32": RNG.random(n).astype("float32"),
+            "lst": pd.Series([[i, i + 1] for i in range(n)], dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
+        }
+    )
+
+
+@pytest.mark.parametrize("npartitions", [1, 13, 256])
+def test_pieces_equal_row_selection(npartitions: int) -> None:
+    frame = _frame()
+    adapter = PandasAdapter()
+    ids = adapter.partition_ids(frame, ["key"], npartitions)
+    pieces = adapter.split(frame, ["key"], npartitions)
+    assert sorted(pieces) == sorted(set(ids.tolist()))
+    meta = frame.iloc[:0]
+    for pid, piece in pieces.items():
+        expected = frame[ids == pid].reset_index(drop=True)
+        assert piece.nrows == len(expected)
+        pd.testing.assert_frame_equal(adapter.unpack([piece], meta), expected)
+    out = adapter.unpack([pieces[p] for p in sorted(pieces)], meta)
+    order = np.argsort(ids, kind="stable")
+    pd.testing.assert_frame_equal(out, frame.take(order).reset_index(drop=True))
+
+
+def test_sliced_arrow_input_and_given_ids() -> None:
+    # Arrow arrays with a non-zero offset (a slice) and nulls; ids from the caller.
+    table = pa.Table.from_pandas(_frame().drop(columns=["lst"]), preserve_index=False).slice(17, 3000)
+    ids = RNG.integers(0, 9, table.num_rows)
+    pieces = ArrowAdapter().split(table, ["key"], 9, ids=ids)
+    for pid, piece in pieces.items():
+        expected = table.filter(pa.array(ids == pid))
+        got, _, _ = read_piece(piece)
+        assert got.equals(expected.combine_chunks())
+
+
+def test_pieces_are_slices_of_one_buffer() -> None:
+    # One scatter, no serialization copy: every piece is a view of one buffer.
+    pieces = PandasAdapter().split(_frame(), ["key"], 8)
+    addresses = sorted((p.data.address, p.data.size) for p in pieces.values())
+    for (a, size), (b, _) in itertools.pairwise(addresses):
+        assert a + size <= b and b - (a + size) < 64
