@@ -15,7 +15,8 @@ benchmark records:
 * ``disk_write_bytes``: bytes the worker processes wrote to storage during
   the run (``psutil`` I/O counters; Dask P2P stages its shards on disk);
 * ``worker_cpu_seconds``: user + system CPU time of all worker processes
-  during the run (less sensitive than ``seconds`` to other load on the machine);
+  during the run (less sensitive than ``seconds`` to other load on the machine),
+  and its two parts ``worker_cpu_user_seconds``, ``worker_cpu_system_seconds``;
 * ``bytes_spilled`` (mpshuffle only): from :func:`mpshuffle.dask.gather_statistics`.
 
 mpshuffle's bootstrap is timed once per cluster, on its own, before the first
@@ -113,12 +114,15 @@ class RssSampler:
         self.peak = [0] * len(self._procs)
         self.peak_total = 0
         self._writes0 = [0] * len(self._procs)
-        self._cpu0 = 0.0
+        self._cpu0 = (0.0, 0.0)
         self.disk_write_bytes = 0
         self.cpu_seconds = 0.0
+        self.cpu_user_seconds = 0.0
+        self.cpu_system_seconds = 0.0
 
-    def _cpu(self) -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in self._procs)
+    def _cpu(self) -> tuple[float, float]:
+        times = [p.cpu_times() for p in self._procs]
+        return sum(t.user for t in times), sum(t.system for t in times)
 
     def rss(self) -> list[int]:
         """Return the current RSS of each process, in bytes."""
@@ -152,7 +156,10 @@ class RssSampler:
         if self._thread is not None:
             self._thread.join()
         self.disk_write_bytes = sum(b - a for a, b in zip(self._writes0, self._writes(), strict=True))
-        self.cpu_seconds = self._cpu() - self._cpu0
+        user, system = self._cpu()
+        self.cpu_user_seconds = user - self._cpu0[0]
+        self.cpu_system_seconds = system - self._cpu0[1]
+        self.cpu_seconds = self.cpu_user_seconds + self.cpu_system_seconds
 
 
 def _trim_memory() -> int:
@@ -251,6 +258,8 @@ def run_case(
             "baseline_cluster_rss": baseline,
             "disk_write_bytes": sampler.disk_write_bytes,
             "worker_cpu_seconds": sampler.cpu_seconds,
+            "worker_cpu_user_seconds": sampler.cpu_user_seconds,
+            "worker_cpu_system_seconds": sampler.cpu_system_seconds,
             "load_average_1min": os.getloadavg()[0],
         }
         if method == "mpshuffle":
