@@ -11,22 +11,37 @@ Every connection starts with a *hello* carrying the generation id, a secret
 token handed out with the bootstrap, and the sender's rank and listening
 address. A connection whose hello does not match (a process that is not a
 rank of this generation, garbage on the port) is logged and closed; the
-ranks' own connections are not disturbed.
+ranks' own connections are not disturbed. A rank that accepts a hello answers
+with a *welcome*.
+
+Ranks of one host exchange large messages through shared memory
+(:mod:`mpshuffle.comm._shm`): the hello names a probe file in ``/dev/shm``,
+and the welcome says whether the accepting rank could read it. If so, a
+message of at least :data:`~mpshuffle.comm._shm.MIN_BYTES` sent with
+:meth:`TcpCommunicator.send_nowait` is written into a file by the *calling*
+thread and only its name crosses the socket; the receiver maps the file and
+acknowledges once its handler has taken the message, and the send completes
+only then, so a receiver that is busy (spilling) holds its senders back as the
+socket does. Everything else, and every pair of ranks on different hosts,
+goes over TCP (or TLS) as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import distributed.comm
 from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import Serialized
 
+from mpshuffle.comm import _shm
 from mpshuffle.comm.base import Communicator, Frames, Tag
 from mpshuffle.errors import CommError, CommTimeoutError
 
@@ -37,6 +52,17 @@ logger = logging.getLogger(__name__)
 # Wait for the socket to drain after writing messages at least this large, so
 # that a sender cannot queue unbounded data in the transport's buffer.
 _DRAIN_BYTES = 1 << 20
+
+
+class _ShmMessage:
+    """A message already written to a shared-memory file, waiting to be announced."""
+
+    __slots__ = ("nbytes", "path", "sizes")
+
+    def __init__(self, path: str, sizes: list[int], nbytes: int) -> None:
+        self.path = path
+        self.sizes = sizes
+        self.nbytes = nbytes
 
 
 class TcpCommunicator(Communicator):
@@ -54,6 +80,17 @@ class TcpCommunicator(Communicator):
         Shared secret of the generation; peers presenting another are refused.
     security
         A :class:`distributed.security.Security` (the cluster's), or ``None``.
+    shared_memory
+        Exchange large messages with ranks of the same host through
+        ``/dev/shm`` (see the module docstring); ``False`` keeps every
+        message on the socket.
+
+    Attributes
+    ----------
+    bytes_sent, bytes_received
+        Frame bytes sent to and received from other ranks so far.
+    bytes_sent_shared
+        The part of ``bytes_sent`` that went through shared memory.
     """
 
     generation: str
@@ -64,8 +101,15 @@ class TcpCommunicator(Communicator):
     _connect_locks: dict[int, asyncio.Lock]
     _write_locks: dict[int, asyncio.Lock]
     _departed: set[int]
+    _shm: _shm.ShmFiles | None
+    _shm_dir: str | None
+    _shm_peers: set[int]
+    _acks: dict[int, collections.deque[tuple[asyncio.Future[None], str]]]
 
-    def __init__(self, rank: int, nranks: int, *, generation: str, token: str, security: Any = None) -> None:
+    def __init__(
+        self, rank: int, nranks: int, *, generation: str, token: str, security: Any = None,
+        shared_memory: bool = True,
+    ) -> None:
         super().__init__(rank, nranks)
         self.generation = generation
         self._token = token
@@ -76,6 +120,11 @@ class TcpCommunicator(Communicator):
         self._connect_locks = {}
         self._write_locks = {}
         self._departed = set()
+        self._shm_dir = _shm.default_directory() if shared_memory else None
+        self._shm = _shm.ShmFiles(self._shm_dir, f"mpshuffle-{generation}-r{rank}") if self._shm_dir else None
+        self._shm_peers = set()
+        self._acks = collections.defaultdict(collections.deque)
+        self._readers: dict[int, asyncio.Task[None]] = {}
         self._closing = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -83,6 +132,7 @@ class TcpCommunicator(Communicator):
         )
         self._thread.start()
         self.bytes_sent = 0
+        self.bytes_sent_shared = 0
         self.bytes_received = 0
 
     @property
@@ -99,6 +149,7 @@ class TcpCommunicator(Communicator):
         token: str,
         listen_address: str = "tcp://127.0.0.1:0",
         security: Any = None,
+        shared_memory: bool = True,
     ) -> TcpCommunicator:
         """Create a rank and start listening (coroutine; does not block the caller's loop).
 
@@ -107,13 +158,17 @@ class TcpCommunicator(Communicator):
         listen_address
             Where to listen, e.g. ``"tcp://10.0.0.5:0"`` or ``"tls://host:0"``
             (port 0 picks a free one).
+        shared_memory
+            See the class.
 
         Returns
         -------
         TcpCommunicator
             The rank, with ``addresses[rank]`` set to its contact address.
         """
-        self = cls(rank, nranks, generation=generation, token=token, security=security)
+        self = cls(
+            rank, nranks, generation=generation, token=token, security=security, shared_memory=shared_memory
+        )
         try:
             await self._run(self._listen(listen_address))
         except BaseException:
@@ -187,21 +242,64 @@ class TcpCommunicator(Communicator):
             if not address:
                 raise CommError(f"rank {self.rank} does not know the address of rank {dest}")
             kwargs = self._security.get_connection_args("worker") if self._security else {}
+            hello = {
+                "op": "mpshuffle-hello",
+                "generation": self.generation,
+                "token": self._token,
+                "rank": self.rank,
+                "address": self.addresses[self.rank],
+            }
+            probe = self._write_probe()
+            if probe is not None:
+                hello["shm"], hello["nonce"] = probe
             try:
                 comm = await distributed.comm.connect(address, timeout=timeout, deserialize=False, **kwargs)
-                await comm.write(
-                    {
-                        "op": "mpshuffle-hello",
-                        "generation": self.generation,
-                        "token": self._token,
-                        "rank": self.rank,
-                        "address": self.addresses[self.rank],
-                    }
-                )
-            except (OSError, CommClosedError) as e:
-                raise CommError(f"rank {self.rank} could not connect to rank {dest} ({address}): {e}") from e
+                await comm.write(hello)
+                welcome = await asyncio.wait_for(comm.read(), timeout)
+            except (OSError, CommClosedError, TimeoutError) as e:
+                raise CommError(f"rank {self.rank} could not connect to rank {dest} ({address}): {e!r}") from e
+            finally:
+                if probe is not None:
+                    _shm.remove_file(probe[0])
+            if isinstance(welcome, dict) and welcome.get("shm") and self._shm is not None:
+                self._shm_peers.add(dest)
+            else:
+                self._shm_peers.discard(dest)
             self._out[dest] = comm
+            self._readers[dest] = asyncio.ensure_future(self._read_acks(dest, comm))
             return comm
+
+    def _write_probe(self) -> tuple[str, str] | None:
+        if self._shm is None:
+            return None
+        try:
+            return self._shm.write_probe()
+        except OSError as e:
+            logger.info("mpshuffle: rank %d sends no shared memory (probe failed: %s)", self.rank, e)
+            self._shm = None
+            return None
+
+    async def _read_acks(self, dest: int, comm: Any) -> None:
+        """Complete the sends through shared memory that ``dest`` acknowledged, in order."""
+        try:
+            while True:
+                msg = await comm.read()
+                pending = self._acks.get(dest)
+                if isinstance(msg, dict) and msg.get("op") == "ack" and pending:
+                    fut, path = pending.popleft()
+                    if self._shm is not None:
+                        self._shm.acknowledged(path)
+                    if not fut.done():
+                        fut.set_result(None)
+        except Exception as e:  # noqa: BLE001 - a closed or broken connection: fail what waits on it
+            self._fail_acks(dest, CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e!r}"))
+
+    def _fail_acks(self, dest: int, error: BaseException) -> None:
+        pending = self._acks.pop(dest, None)
+        while pending:
+            fut, _path = pending.popleft()
+            if not fut.done():
+                fut.set_exception(error)
 
     def _guarded_handshake(self, on_connection: Any) -> Any:
         """Wrap the listener's handshake so that a stranger's failed one is logged as a refusal.
@@ -236,6 +334,13 @@ class TcpCommunicator(Communicator):
             logger.warning("mpshuffle: refused connection from %s: not a rank of generation %s", peer, self.generation)
             comm.abort()
             return
+        shm = _shm.check_probe(hello.get("shm"), hello.get("nonce"), self._shm_dir)
+        try:
+            await comm.write({"op": "mpshuffle-welcome", "shm": shm})
+        except (CommClosedError, OSError) as e:
+            logger.warning("mpshuffle: rank %d hung up during the handshake (%s)", src, e)
+            comm.abort()
+            return
         self._inbound[src] = comm
         if hello.get("address"):
             if not self.addresses[src]:
@@ -249,6 +354,14 @@ class TcpCommunicator(Communicator):
                     # A peer that closes its communicator is gone for any run still using it.
                     self._departed.add(src)
                     self._peer_lost(src, "it closed its communicator", quiet=True)
+                    continue
+                path = msg.get("shm")
+                if path is not None:
+                    frames = _shm.open_message(path, msg["sizes"], self._shm_dir)
+                    self.bytes_received += sum(msg["sizes"])
+                    self._deliver(src, tag, frames)
+                    # Only now may the sender send its next chunk (back-pressure).
+                    await comm.write({"op": "ack"})
                     continue
                 payload = msg.get("frames")
                 frames = list(payload.frames) if isinstance(payload, Serialized) else []
@@ -277,7 +390,37 @@ class TcpCommunicator(Communicator):
             return None
         return rank
 
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> Any:
+        """Start sending, as :meth:`Communicator.send_nowait`.
+
+        To a rank of the same host (and at least
+        :data:`~mpshuffle.comm._shm.MIN_BYTES`), the frames are first written
+        to a shared-memory file in the calling thread; the returned future
+        completes once the receiver has taken the message. If writing the
+        file fails (``/dev/shm`` full), this and later messages to ``dest``
+        go over the socket.
+        """
+        frames = list(frames)
+        files = self._shm
+        if files is not None and dest in self._shm_peers and dest not in self._lost:
+            nbytes = sum(memoryview(f).nbytes for f in frames)
+            if nbytes >= _shm.MIN_BYTES:
+                try:
+                    path, sizes = files.write_message(frames)
+                except OSError as e:
+                    logger.warning(
+                        "mpshuffle: rank %d sends to rank %d over TCP from now on: writing to %s failed (%s)",
+                        self.rank, dest, files.directory, e,
+                    )
+                    self._shm_peers.discard(dest)
+                else:
+                    frames = [_ShmMessage(path, sizes, nbytes)]
+        return super().send_nowait(dest, tag, frames)
+
     async def _send(self, dest: int, tag: Tag, frames: Frames) -> None:
+        if len(frames) == 1 and isinstance(frames[0], _ShmMessage):
+            await self._send_shm(dest, tag, frames[0])
+            return
         comm = await self._connection(dest)
         lock = self._write_locks.setdefault(dest, asyncio.Lock())
         nbytes = sum(memoryview(f).nbytes for f in frames)
@@ -294,6 +437,33 @@ class TcpCommunicator(Communicator):
                 raise CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e}") from e
         self.bytes_sent += nbytes
 
+    async def _send_shm(self, dest: int, tag: Tag, message: _ShmMessage) -> None:
+        try:
+            comm = await self._connection(dest)
+        except BaseException:
+            self._drop_file(message.path)
+            raise
+        lock = self._write_locks.setdefault(dest, asyncio.Lock())
+        ack: asyncio.Future[None] = self.loop.create_future()
+        async with lock:
+            try:
+                await comm.write({"tag": list(tag), "shm": message.path, "sizes": message.sizes})
+            except (CommClosedError, OSError) as e:
+                self._drop_file(message.path)
+                self._out.pop(dest, None)
+                self._peer_lost(dest, f"sending to {self.addresses[dest]} failed ({e})")
+                raise CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e}") from e
+            # Appended under the lock, so acknowledgements match in write order.
+            self._acks[dest].append((ack, message.path))
+        await ack
+        self.bytes_sent += message.nbytes
+        self.bytes_sent_shared += message.nbytes
+
+    def _drop_file(self, path: str) -> None:
+        _shm.remove_file(path)
+        if self._shm is not None:
+            self._shm.acknowledged(path)
+
     # -- shutdown --------------------------------------------------------
     async def _aclose(self) -> None:
         self._closing = True
@@ -305,6 +475,13 @@ class TcpCommunicator(Communicator):
             except Exception:  # noqa: BLE001 - a peer already gone: drop the connection
                 comm.abort()
         self._out.clear()
+        for task in self._readers.values():
+            task.cancel()
+        self._readers.clear()
+        for dest in list(self._acks):
+            self._fail_acks(dest, CommError(f"rank {self.rank}: the communicator is closed"))
+        if self._shm is not None:
+            self._shm.remove_pending()
         if self._listener is not None:
             self._listener.stop()
         for comm in list(self._inbound.values()):

@@ -1,0 +1,173 @@
+"""The tcp communicator between two ranks of one process: sockets and shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpshuffle.comm import TcpCommunicator, _shm
+from mpshuffle.errors import CommError
+
+BIG = 2 * _shm.MIN_BYTES + 3  # an odd size: the padding between frames is exercised
+
+
+def _pair(shared_memory: tuple[bool, bool] = (True, True), generation: str = "g") -> list[TcpCommunicator]:
+    async def start(rank: int) -> TcpCommunicator:
+        return await TcpCommunicator.start(
+            rank, 2, generation=generation, token="secret", shared_memory=shared_memory[rank]
+        )
+
+    async def both() -> list[TcpCommunicator]:
+        c0 = await start(0)
+        c1 = await start(1)
+        await asyncio.gather(c0.rendezvous(None, 20), c1.rendezvous(c0.addresses[0], 20))
+        return [c0, c1]
+
+    return asyncio.run(both())
+
+
+class _Inbox:
+    def __init__(self, comm: TcpCommunicator, gate: threading.Event | None = None) -> None:
+        self.messages: list[tuple[int, Any, list[bytes]]] = []
+        self.arrived = threading.Event()
+        self._gate = gate
+        comm.register_handler("t", self)
+
+    def __call__(self, src: int, tag: Any, frames: list[Any]) -> None:
+        if self._gate is not None:
+            self._gate.wait(10)
+        self.messages.append((src, tag, [bytes(f) for f in frames]))
+        self.arrived.set()
+
+
+def _files(generation: str) -> list[str]:
+    directory = _shm.default_directory()
+    return [f for f in os.listdir(directory) if f.startswith(f"mpshuffle-{generation}-")] if directory else []
+
+
+@pytest.fixture
+def pair() -> Iterator[list[TcpCommunicator]]:
+    comms = _pair(generation="shm-pair")
+    yield comms
+    for c in comms:
+        c.close()
+    assert _files("shm-pair") == []
+
+
+needs_shm = pytest.mark.skipif(_shm.default_directory() is None, reason="no writable /dev/shm")
+
+
+@needs_shm
+def test_large_messages_go_through_shared_memory_and_arrive_intact(pair: list[TcpCommunicator]) -> None:
+    c0, c1 = pair
+    inbox = _Inbox(c0)
+    rng = np.random.default_rng(1)
+    big = rng.integers(0, 255, BIG, dtype=np.uint8)
+    frames = [b"head", big, b"", big[:1000]]
+    c1.send_nowait(0, ("t", 1), frames).result(10)
+    c1.send_nowait(0, ("t", 2), [b"small"]).result(10)  # below MIN_BYTES: the socket
+    assert inbox.arrived.wait(10)
+    for _ in range(100):
+        if len(inbox.messages) == 2:
+            break
+        threading.Event().wait(0.05)
+    assert inbox.messages == [
+        (1, ("t", 1), [b"head", big.tobytes(), b"", big[:1000].tobytes()]),
+        (1, ("t", 2), [b"small"]),
+    ]
+    assert 0 in c1._shm_peers and 1 in c0._shm_peers
+    assert c1.bytes_sent_shared == BIG + 1004
+    assert c1.bytes_sent == c1.bytes_sent_shared + len(b"small")
+    assert c0.bytes_received == c1.bytes_sent
+    assert _files("shm-pair") == []  # the receiver unlinked the file when it took the message
+
+
+@needs_shm
+def test_a_send_through_shared_memory_completes_when_the_receiver_took_it(pair: list[TcpCommunicator]) -> None:
+    c0, c1 = pair
+    gate = threading.Event()
+    inbox = _Inbox(c0, gate)
+    fut = c1.send_nowait(0, ("t", 1), [np.ones(BIG, np.uint8)])
+    with pytest.raises(TimeoutError):
+        fut.result(0.5)  # the receiver's handler has not returned: no acknowledgement yet
+    gate.set()
+    fut.result(10)
+    assert inbox.messages and inbox.messages[0][2][0] == bytes(np.ones(BIG, np.uint8))
+
+
+def test_without_shared_memory_on_either_side_messages_use_the_socket() -> None:
+    for flags in [(True, False), (False, True), (False, False)]:
+        c0, c1 = _pair(flags, generation="shm-off")
+        try:
+            inbox = _Inbox(c0)
+            data = np.arange(BIG, dtype=np.uint8)
+            c1.send_nowait(0, ("t", 1), [data]).result(10)
+            assert inbox.arrived.wait(10)
+            assert inbox.messages == [(1, ("t", 1), [data.tobytes()])]
+            assert c1.bytes_sent_shared == 0 and c1.bytes_sent == BIG
+        finally:
+            c0.close()
+            c1.close()
+    assert _files("shm-off") == []
+
+
+@needs_shm
+def test_a_full_dev_shm_falls_back_to_the_socket(pair: list[TcpCommunicator], monkeypatch: Any) -> None:
+    c0, c1 = pair
+    inbox = _Inbox(c0)
+
+    def full(frames: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(c1._shm, "write_message", full)
+    data = np.arange(BIG, dtype=np.uint8)
+    c1.send_nowait(0, ("t", 1), [data]).result(10)
+    assert inbox.arrived.wait(10)
+    assert inbox.messages == [(1, ("t", 1), [data.tobytes()])]
+    assert 0 not in c1._shm_peers and c1.bytes_sent_shared == 0
+
+
+@needs_shm
+def test_unacknowledged_files_are_removed_when_the_receiver_is_gone() -> None:
+    c0, c1 = _pair(generation="shm-gone")
+    gate = threading.Event()
+    _Inbox(c0, gate)
+    gate.set()
+    c1.send_nowait(0, ("t", 1), [np.ones(BIG, np.uint8)]).result(10)
+    # A file written but never announced (its receiver was lost first) is
+    # removed when the sender closes.
+    path, _ = c1._shm.write_message([np.ones(BIG, np.uint8)])
+    c0.close()
+    with pytest.raises(CommError):
+        c1.send_nowait(0, ("t", 2), [np.ones(BIG, np.uint8)]).result(10)
+    assert os.path.exists(path)
+    c1.close()
+    assert _files("shm-gone") == []
+
+
+def test_probe_and_message_files_outside_the_directory_are_refused(tmp_path: Any) -> None:
+    directory = str(tmp_path)
+    files = _shm.ShmFiles(directory, "mpshuffle-x-r0")
+    path, nonce = files.write_probe()
+    assert _shm.check_probe(path, nonce, directory)
+    assert not _shm.check_probe(path, "other", directory)
+    assert not _shm.check_probe(path, nonce, None)
+    assert not _shm.check_probe("/etc/passwd", nonce, directory)
+    msg, sizes = files.write_message([b"abc", np.arange(100, dtype=np.int64)])
+    assert sizes == [3, 800]
+    with pytest.raises(OSError, match="not in"):
+        _shm.open_message(msg, sizes, "/somewhere/else")
+    frames = _shm.open_message(msg, sizes, directory)
+    assert bytes(frames[0]) == b"abc"
+    assert np.frombuffer(frames[1], np.int64).tolist() == list(range(100))
+    assert not os.path.exists(msg)  # unlinked on open; the mapping keeps the pages
+    frames[1][:8] = bytes(8)  # writable, like a buffer received from a socket
+    with pytest.raises(OSError):
+        _shm.open_message(msg, sizes, directory)
