@@ -110,7 +110,7 @@ def _security(tls: bool) -> Any:
 async def _comm_rank(
     rank: int, addr_q: Any, result_q: Any, size: int, count: int, tls: bool, sec: Any, hold: bool
 ) -> None:
-    from mpshuffle.comm import TcpCommunicator
+    from mpshuffle.comm.tcp import TcpCommunicator
 
     proto = "tls" if tls else "tcp"
     comm = await TcpCommunicator.start(

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mpshuffle.comm import TcpCommunicator, _shm
+from mpshuffle.comm import _shm
+from mpshuffle.comm.tcp import TcpCommunicator
 from mpshuffle.errors import CommError
 
 BIG = 2 * _shm.MIN_BYTES + 3  # an odd size: the padding between frames is exercised
