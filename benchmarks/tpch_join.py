@@ -3,7 +3,7 @@
 Not a test. Generates ``lineitem`` and ``orders`` with ``tpchgen-cli`` (parquet,
 ``--parts`` files per table) into a temporary directory, starts one
 LocalCluster (2 workers x 1 thread by default), and runs
-:func:`mpshuffle.tpch.q_join` alternately with :func:`mpshuffle.dask.merge`
+:func:`mpshuffle.demo.tpch.q_join` alternately with :func:`mpshuffle.dask.merge`
 and with Dask's ``merge(..., shuffle_method="p2p", broadcast=False)`` on the
 same cluster, ``--repeat`` times each, after one small warm-up of each. Both
 answers are checked to agree (rows, revenue sum). Each timing covers reading
@@ -34,7 +34,7 @@ from distributed import Client, LocalCluster
 import mpshuffle
 from mpshuffle.dask import bootstrap_dask_cluster
 from mpshuffle.dask import merge as mpshuffle_merge
-from mpshuffle.tpch import generate, q_join, read_tables
+from mpshuffle.demo.tpch import generate, q_join, read_tables
 
 
 def p2p_merge(left: dd.DataFrame, right: dd.DataFrame, **kwargs: Any) -> dd.DataFrame:

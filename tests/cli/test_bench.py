@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from mpshuffle import bench
+from mpshuffle.demo import bench
 
 NOTE = "matplotlib not installed (pip install mpshuffle[bench]); no plot written"
 

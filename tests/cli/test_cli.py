@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from mpshuffle import bench, cli
+from mpshuffle import cli
+from mpshuffle.demo import bench, job
 
 BAD = [
     # demo
@@ -51,7 +52,7 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, argparse.Namespace]]
 
         return run
 
-    monkeypatch.setattr(cli, "_demo", record("demo"))
+    monkeypatch.setattr(job, "run", record("demo"))
     monkeypatch.setattr(bench, "run_and_report", record("bench"))
     return calls
 
@@ -100,3 +101,58 @@ def test_console_entry_exits_2_without_starting_a_cluster() -> None:
     assert proc.returncode == 2
     assert "mpshuffle demo: error: argument --workers: must be an integer >= 1, got '-1'" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_version_is_the_installed_distributions() -> None:
+    import importlib.metadata
+
+    import mpshuffle
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpshuffle.cli", "--version"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"mpshuffle {mpshuffle.__version__}\n"
+    assert mpshuffle.__version__ == importlib.metadata.version("mpshuffle")
+    assert mpshuffle.__version__.count(".") >= 2
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_without_the_demo_extra_the_command_names_it_and_starts_nothing(
+    ran: list[tuple[str, argparse.Namespace]], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, command: str,
+) -> None:
+    import mpshuffle.demo
+
+    # As on a machine where only `pip install mpshuffle` ran: no tqdm, no tpchgen-cli.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setattr(mpshuffle.demo, "tpchgen_path", lambda: None)
+    assert mpshuffle.demo.missing() == ["tqdm", "tpchgen-cli"]
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert f"mpshuffle {command} needs the 'demo' extra, which is not installed (missing: tqdm, tpchgen-cli)" in err
+    assert 'pip install -e ".[demo]"' in err
+    assert ran == []  # nothing started
+    with pytest.raises(mpshuffle.demo.ExtraMissingError, match="'demo' extra"):
+        bench.main(["--repeats", "2"])
+
+
+def test_the_library_and_info_work_without_the_demo_extra() -> None:
+    # duckdb, tqdm and matplotlib made unimportable; a shuffle on Dask's sync scheduler.
+    code = (
+        "import sys\n"
+        "for name in ('duckdb', 'tqdm', 'matplotlib'):\n"
+        "    sys.modules[name] = None\n"
+        "import dask, dask.dataframe as dd, pandas as pd\n"
+        "from mpshuffle.dask import shuffle\n"
+        "df = dd.from_pandas(pd.DataFrame({'k': range(100), 'v': range(100)}), npartitions=4)\n"
+        "with dask.config.set(scheduler='sync'):\n"
+        "    out = shuffle(df, 'k', npartitions=3).compute()\n"
+        "assert sorted(out['v']) == list(range(100)), out\n"
+        "from mpshuffle.cli import main\n"
+        "sys.exit(main(['info']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "demo extra  no (missing: duckdb, tqdm)" in proc.stdout

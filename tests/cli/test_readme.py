@@ -20,6 +20,7 @@ def test_readme_opens_with_the_two_commands() -> None:
     first = _blocks("bash")[0].strip().splitlines()
     assert len(first) == 2
     assert first[0].endswith("mpshuffle demo")
+    assert 'pip install -e ".[demo]"' in first[0]  # the demo's packages are an extra
     assert "pytest" in first[1]
     assert README.index("```bash") < README.index("```python")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from mpshuffle.tpch import generate
+from mpshuffle.demo.tpch import generate
 
 
 def _files(root: Path) -> list[str]:

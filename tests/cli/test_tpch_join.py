@@ -10,7 +10,7 @@ import pytest
 from distributed import Client
 
 from conftest import worker_state
-from mpshuffle.tpch import compare, generate, q_join, q_join_duckdb, read_tables
+from mpshuffle.demo.tpch import compare, generate, q_join, q_join_duckdb, read_tables
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_q_join_on_plain_dtypes_equals_duckdb(client: Client, tpch_dir: Path) ->
     """The demo's loader (float64 decimals, datetime64 dates) gives the same answer."""
     import dask.dataframe as dd
 
-    from mpshuffle.tpch import load_parquet
+    from mpshuffle.demo.tpch import load_parquet
 
     lineitem = dd.from_map(load_parquet, sorted(str(p) for p in (tpch_dir / "lineitem").glob("*.parquet")))
     orders = dd.from_map(load_parquet, sorted(str(p) for p in (tpch_dir / "orders").glob("*.parquet")))

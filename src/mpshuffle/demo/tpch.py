@@ -6,7 +6,7 @@ line items shipped after that day, revenue ``extendedprice * (1 - discount)``
 summed per order. Unlike Q3 it returns every order's revenue, not the top 10,
 so a check against another engine compares every group.
 
-:func:`generate` writes the tables with ``tpchgen-cli`` (a dependency).
+:func:`generate` writes the tables with ``tpchgen-cli`` (from the ``demo`` extra).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import datetime
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
+
+from mpshuffle.demo import EXTRA, tpchgen_path
 
 __all__ = ["CUTOFF", "TABLES", "compare", "generate", "load_parquet", "q_join", "q_join_duckdb", "read_tables"]
 
@@ -84,10 +85,11 @@ def generate(
     unknown = [t for t in tables if t not in TABLES]
     if unknown or not tables:
         raise ValueError(f"tables must be TPC-H tables out of {TABLES}, got {tuple(tables)!r}")
-    exe = Path(sys.executable).with_name("tpchgen-cli")
-    cli = str(exe) if exe.exists() else shutil.which("tpchgen-cli")
+    cli = tpchgen_path()
     if cli is None:
-        raise FileNotFoundError("tpchgen-cli not found (pip install tpchgen-cli)")
+        raise FileNotFoundError(
+            f"tpchgen-cli not found; it comes with the {EXTRA!r} extra (pip install -e \".[{EXTRA}]\")"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for table in tables:

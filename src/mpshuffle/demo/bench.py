@@ -31,7 +31,8 @@ index (``ignore_index=True``), so all do the same work.
 
 Run ``mpshuffle bench --help`` for the sweeps (sizes, workers, partitions,
 TPC-H lineitem); results go to a JSON file and, with matplotlib installed
-(the ``[bench]`` extra), a PNG plot of the synthetic cases.
+(the ``[bench]`` extra), a PNG plot of the synthetic cases. Needs the
+``demo`` extra (tqdm; tpchgen-cli for lineitem), which ``[bench]`` includes.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from mpshuffle._cliargs import int_at_least, positive_float, positive_int
+from mpshuffle.demo import require
+from mpshuffle.demo._cliargs import int_at_least, positive_float, positive_int
 
 __all__ = ["METHODS", "main", "make_synthetic"]
 
@@ -320,7 +322,7 @@ def _synthetic(gb: float, partitions: int) -> tuple[Any, str]:
 def _lineitem(scale_factor: float, partitions: int, data_dir: str) -> tuple[Any, str]:
     import dask.dataframe as dd
 
-    from mpshuffle.tpch import generate, load_parquet
+    from mpshuffle.demo.tpch import generate, load_parquet
 
     root = os.path.join(data_dir, f"sf{scale_factor:g}-p{partitions}")
     # Reuse a generation only if it finished and is of these parameters: an
@@ -528,7 +530,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark from the command line; print the summary table."""
     parser = argparse.ArgumentParser(prog="mpshuffle bench", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run_and_report(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    require("mpshuffle bench")
+    return run_and_report(args)
 
 
 def run_and_report(args: Any) -> int:
