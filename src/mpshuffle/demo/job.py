@@ -40,8 +40,8 @@ def run(args: Any) -> int:
     import psutil
     from distributed import Client, LocalCluster, wait
 
-    from mpshuffle.demo import tpch
     from mpshuffle.dask import bootstrap_dask_cluster, shuffle
+    from mpshuffle.demo import tpch
 
     ncores = psutil.cpu_count(logical=True) or 2
     nworkers = max(2, ncores) if args.workers is None else args.workers
