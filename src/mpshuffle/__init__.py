@@ -1,7 +1,8 @@
 """mpshuffle: fast, memory-bounded shuffles of dataframe partitions across a Dask cluster.
 
-``import mpshuffle`` stays light; the Dask integration lives in
-:mod:`mpshuffle.dask`.
+``import mpshuffle`` stays light: it imports neither Dask nor the
+engine. The Dask integration lives in :mod:`mpshuffle.dask`; importing it
+registers the ``df.mpshuffle`` accessor on dask DataFrames.
 """
 
 from mpshuffle.errors import (
@@ -15,12 +16,9 @@ from mpshuffle.errors import (
     SpillError,
 )
 
+# The one place the version is written: pyproject.toml reads it from here
+# (setuptools' dynamic version), and so does ``mpshuffle --version``.
 __version__ = "0.1.0"
-
-# ``df.mpshuffle`` on dask DataFrames, registered once dask.dataframe is imported.
-from mpshuffle import _accessor_hook
-
-_accessor_hook.install()
 
 __all__ = [
     "BootstrapError",

@@ -1,4 +1,4 @@
-"""The df.mpshuffle accessor, registered through Dask's public accessor API on import mpshuffle."""
+"""The df.mpshuffle accessor, registered through Dask's public accessor API when mpshuffle.dask is imported."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import numpy as np
 import pandas as pd
 from distributed import Client
 
-import mpshuffle  # noqa: F401  (registers the accessor)
-from mpshuffle.dask.accessor import MPShuffleAccessor, register_accessor
+from mpshuffle.dask.accessor import ACCESSOR_NAME, MPShuffleAccessor, register_accessor
 from mpshuffle.table import partition_ids
 
 
@@ -51,6 +50,7 @@ def test_registration_is_idempotent_and_on_dask_dataframe_class() -> None:
     register_accessor()
     register_accessor()
     assert dd.DataFrame.mpshuffle is MPShuffleAccessor  # class access gives the accessor type
+    assert ACCESSOR_NAME == "mpshuffle"
 
 
 def _run(code: str) -> str:
@@ -59,17 +59,36 @@ def _run(code: str) -> str:
     ).stdout.strip()
 
 
-def test_registered_whichever_is_imported_first_and_import_stays_light() -> None:
-    after = _run(
-        "import sys, mpshuffle; light = 'dask.dataframe' not in sys.modules; "
-        "import dask.dataframe as dd, pandas as pd; "
-        "df = dd.from_pandas(pd.DataFrame({'a': [1]}), npartitions=1); "
-        "print(light, type(df.mpshuffle).__name__)"
+def test_import_mpshuffle_alone_registers_nothing_and_imports_no_dask() -> None:
+    out = _run(
+        "import sys, mpshuffle\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dask', 'distributed')))\n"
+        "print([type(f).__module__ for f in sys.meta_path if 'mpshuffle' in type(f).__module__])\n"
+        "import dask.dataframe as dd\n"
+        "print(hasattr(dd.DataFrame, 'mpshuffle'))\n"
     )
-    assert after == "True MPShuffleAccessor"
-    before = _run(
-        "import dask.dataframe as dd, pandas as pd, mpshuffle; "
-        "df = dd.from_pandas(pd.DataFrame({'a': [1]}), npartitions=1); "
-        "print(type(df.mpshuffle).__name__)"
+    assert out.splitlines() == ["[]", "[]", "False"]
+
+
+def test_import_of_mpshuffle_dask_registers_it_also_for_frames_made_before() -> None:
+    out = _run(
+        "import dask.dataframe as dd, pandas as pd\n"
+        "df = dd.from_pandas(pd.DataFrame({'a': [1]}), npartitions=1)\n"
+        "print(hasattr(df, 'mpshuffle'))\n"
+        "import mpshuffle.dask.join\n"  # any module of the package will do
+        "print(type(df.mpshuffle).__name__, df.mpshuffle.shuffle('a').npartitions)\n"
     )
-    assert before == "MPShuffleAccessor"
+    assert out.splitlines() == ["False", "MPShuffleAccessor 1"]
+
+
+def test_another_mpshuffle_attribute_is_not_overwritten() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         "import dask.dataframe as dd\n"
+         "dd.DataFrame.mpshuffle = property(lambda self: 'theirs')\n"
+         "import mpshuffle.dask\n"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "RuntimeError: dask.dataframe.DataFrame already has an attribute 'mpshuffle'" in proc.stderr
+    assert "mpshuffle will not overwrite it" in proc.stderr

@@ -1,5 +1,15 @@
-"""mpshuffle's Dask integration: bootstrap, shuffle graphs, DataFrame shuffles."""
+"""mpshuffle's Dask integration: bootstrap, shuffle graphs, DataFrame shuffles.
 
+Importing this package registers the ``df.mpshuffle`` accessor on
+``dask.dataframe.DataFrame`` (:func:`~mpshuffle.dask.accessor.register_accessor`,
+through Dask's public :func:`dask.dataframe.extensions.register_dataframe_accessor`).
+Dask offers no entry point that would register an accessor without an import
+(its entry-point groups are for ``sizeof`` plugins, backends, ``dask`` CLI
+commands and comm backends), and this package imports ``dask.dataframe``
+anyway, so its import is the one place that needs no machinery.
+"""
+
+from mpshuffle.dask.accessor import register_accessor
 from mpshuffle.dask.bootstrap import Generation, bootstrap_dask_cluster, get_worker_context
 from mpshuffle.dask.dataframe import shuffle
 from mpshuffle.dask.graph import ShuffleSpec, shuffle_graph
@@ -19,3 +29,6 @@ __all__ = [
     "shuffle_graph",
     "sort_values",
 ]
+
+# df.mpshuffle, from the first import of mpshuffle.dask on (idempotent).
+register_accessor()

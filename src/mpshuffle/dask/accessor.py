@@ -2,8 +2,8 @@
 
 Registered with Dask's public accessor API,
 :func:`dask.dataframe.extensions.register_dataframe_accessor`, by
-:func:`register_accessor`. ``import mpshuffle`` arranges that call (see
-:mod:`mpshuffle._accessor_hook`), so after it::
+:func:`register_accessor`, which ``import mpshuffle.dask`` (or importing any
+of its modules) calls, so after it::
 
     df.mpshuffle.shuffle("key")
     df.mpshuffle.merge(other, on="key", how="left")
