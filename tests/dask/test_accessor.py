@@ -82,13 +82,12 @@ def test_import_of_mpshuffle_dask_registers_it_also_for_frames_made_before() -> 
 
 
 def test_another_mpshuffle_attribute_is_not_overwritten() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c",
-         "import dask.dataframe as dd\n"
-         "dd.DataFrame.mpshuffle = property(lambda self: 'theirs')\n"
-         "import mpshuffle.dask\n"],
-        check=False, capture_output=True, text=True, timeout=60,
+    code = (
+        "import dask.dataframe as dd\n"
+        "dd.DataFrame.mpshuffle = property(lambda self: 'theirs')\n"
+        "import mpshuffle.dask\n"
     )
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert "RuntimeError: dask.dataframe.DataFrame already has an attribute 'mpshuffle'" in proc.stderr
     assert "mpshuffle will not overwrite it" in proc.stderr
