@@ -277,7 +277,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
                 input_index, table, spec.on, spec.npartitions, ids, attempt=attempt
             )
         else:
-            pieces = _split(adapter, frame, spec)
+            pieces = _split(adapter, frame, spec, ctx)
             ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout, attempt=attempt)
     return {"op_id": run.op_id, "generation": run.generation, "attempt": attempt}
 
@@ -288,13 +288,15 @@ def _with_index(adapter: Any, spec: ShuffleSpec) -> Any:
     return adapter
 
 
-def _split(adapter: Any, frame: Any, spec: ShuffleSpec) -> Any:
+def _split(adapter: Any, frame: Any, spec: ShuffleSpec, ctx: WorkerContext) -> Any:
     adapter = _with_index(adapter, spec)
-    if spec.partitioner is None:
-        return adapter.split(frame, list(spec.on), spec.npartitions)
-    ids = np.asarray(spec.partitioner(frame), dtype=np.int64)
-    _check_partitioner_ids(ids, adapter.num_rows(frame), spec)
-    return adapter.split(frame, list(spec.on), spec.npartitions, ids=ids)
+    ids = None
+    if spec.partitioner is not None:
+        ids = np.asarray(spec.partitioner(frame), dtype=np.int64)
+        _check_partitioner_ids(ids, adapter.num_rows(frame), spec)
+    return adapter.split_for(
+        frame, list(spec.on), spec.npartitions, ids, rank=ctx.rank, nranks=ctx.nranks, pool=ctx.pool
+    )
 
 
 def _check_partitioner_ids(ids: Any, nrows: int, spec: ShuffleSpec) -> None:

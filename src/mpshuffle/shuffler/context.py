@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.memory.pool import HostPool
 from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.shuffler.host import TAG, Shuffler
 
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # How many finished runs' statistics a context keeps for gather_statistics.
 _HISTORY = 64
+# Free pooled host memory a context may keep without a host budget (bytes);
+# with one, a quarter of it.
+_POOL_DEFAULT = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,10 @@ class WorkerContext:
         The generation's options.
     resource
         Budgets and use of the memory types on this worker.
+    pool
+        Host memory reused by the runs' buffers (:class:`~mpshuffle.memory.pool.HostPool`):
+        free blocks (at most 4 per size class, a quarter of the host budget in
+        all) kept only while a run is active, reserved against the budget.
     shufflers
         Running shuffles on this rank, by ``op_id``.
     history
@@ -108,6 +116,9 @@ class WorkerContext:
             owner=f"rank {comm.rank} (worker {worker})",
             spill_prefix=f"mpshuffle-{generation}",
         )
+        budget = limits[MemoryType.HOST]
+        self.pool = HostPool(_POOL_DEFAULT if budget is None else budget // 4, self.resource)
+        self.pool.retain = False  # until a run starts
         self.shufflers: dict[int, Shuffler | DeviceRun] = {}
         self.history: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=_HISTORY)
         self._finished: collections.deque[int] = collections.deque(maxlen=4096)
@@ -155,6 +166,7 @@ class WorkerContext:
                     batch_bytes=self.options.batch_bytes, on_done=self._on_done,
                 )
             self.shufflers[op_id] = s
+            self.pool.retain = True
             return s
 
     def _on_done(self, op_id: int) -> None:
@@ -163,6 +175,13 @@ class WorkerContext:
             self._finished.append(op_id)
             if s is not None:
                 self.history.append((op_id, dict(s.statistics)))
+            self._release_pool()
+
+    def _release_pool(self) -> None:
+        # An idle worker keeps no pooled memory: Dask sees it as unmanaged.
+        if not self.shufflers:
+            self.pool.retain = False
+            self.pool.trim()
 
     def _on_message(self, src: int, tag: Tag, frames: Frames) -> None:
         op_id = tag[1]
@@ -216,6 +235,7 @@ class WorkerContext:
             self.shufflers.pop(op_id, None)
             if op_id not in self._finished:
                 self._finished.append(op_id)
+            self._release_pool()
 
     def close(self) -> None:
         """Close every run and the communicator. Idempotent."""
@@ -230,6 +250,7 @@ class WorkerContext:
             s.close()
         if self.device is not None:
             self.device.close()
+        self.pool.close()
         self.comm.close()
 
 

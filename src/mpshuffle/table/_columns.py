@@ -26,6 +26,7 @@ unpickles pickled columns).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import pickle
 import struct
@@ -46,6 +47,8 @@ from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL,
 if TYPE_CHECKING:
     import numpy.typing as npt
 
+    from mpshuffle.memory.pool import HostPool
+
 __all__ = [
     "COLS",
     "Column",
@@ -54,6 +57,7 @@ __all__ = [
     "hash_ids",
     "is_cols",
     "key_columns",
+    "owner_groups",
     "pack",
     "pandas_columns",
     "rank_ids",
@@ -351,8 +355,11 @@ def pack(
     split: Split,
     schema: pa.Schema | None,
     names: Sequence[Any] | None = None,
+    *,
+    pool: HostPool | None = None,
+    groups: npt.NDArray[Any] | None = None,
 ) -> dict[int, PackedData]:
-    """Scatter every column into one buffer; return one zero-copy piece per non-empty partition.
+    """Scatter every column once; return one zero-copy piece per non-empty partition.
 
     Parameters
     ----------
@@ -366,11 +373,19 @@ def pack(
     names
         Original column names when some are not strings (see
         :class:`~mpshuffle.table._ipc.Header`), else ``None``.
+    pool
+        Where the pieces' memory comes from; fresh memory without one.
+    groups
+        Group of each partition (small integers, shape ``(npartitions,)``):
+        the pieces of each group share one range of memory, freed when the
+        last of them is gone (e.g. pieces kept on this rank apart from pieces
+        sent away). One group without it.
 
     Returns
     -------
     dict
-        ``{partition_id: PackedData}``; every ``data`` is a slice of one buffer.
+        ``{partition_id: PackedData}``; every ``data`` is a slice of its
+        group's buffer.
     """
     k = _kernels()
     counts = split.counts
@@ -423,9 +438,17 @@ def pack(
     aligned[:, counts == 0] = 0
     within = np.cumsum(aligned, axis=0) - aligned  # offset of each buffer inside its piece
     piece_size = aligned.sum(axis=0)
-    piece_base = np.cumsum(piece_size) - piece_size
-    total = int(piece_size.sum())
-    buf = _empty_aligned(max(total, 1))
+    group = np.zeros(npart, np.int64) if groups is None else np.asarray(groups, np.int64)
+    ngroups = int(group.max()) + 1 if npart else 1
+    group_size = np.bincount(group, weights=piece_size, minlength=ngroups).astype(np.int64)
+    buf, group_offsets, group_buffers = _allocate(group_size.tolist(), pool)
+    # Pieces of a group follow each other, by partition id, from the group's offset.
+    by_group = np.argsort(group, kind="stable")
+    ends = np.cumsum(piece_size[by_group])
+    starts_in_group = ends - piece_size[by_group] - np.concatenate(
+        ([0], np.cumsum(group_size)))[group[by_group]]
+    piece_base = np.empty(npart, np.int64)
+    piece_base[by_group] = np.asarray(group_offsets, np.int64)[group[by_group]] + starts_in_group
     at = piece_base[None, :] + within  # absolute byte offset of each buffer
     for b, (j, role, _) in enumerate(plan):
         if j < 0 or role == "pickle":
@@ -450,16 +473,49 @@ def pack(
             for p in present:
                 buf[at[b][p] : at[b][p] + sizes[p]] = np.frombuffer(blobs[f"pickle{j}"][p], np.uint8)
     common = _common_header(columns, plan, schema, names)
-    data = pa.py_buffer(buf)
     sizes_all = np.stack([s.astype(np.int64) for _, _, s in plan]) if plan else aligned
     # Per piece: (offset inside the piece, size) of each buffer, as <i8 pairs.
     rel = np.stack([within, sizes_all], axis=2).astype("<i8")
     pieces = {}
     for p in present:
         meta = common + rel[:, p, :].tobytes()
-        base, size = int(piece_base[p]), int(piece_size[p])
-        pieces[int(p)] = PackedData(meta, data.slice(base, size), int(counts[p]))
+        g = int(group[p])
+        base, size = int(piece_base[p]) - group_offsets[g], int(piece_size[p])
+        pieces[int(p)] = PackedData(meta, group_buffers[g].slice(base, size), int(counts[p]))
     return pieces
+
+
+def owner_groups(npartitions: int, rank: int, nranks: int) -> npt.NDArray[np.int8] | None:
+    """Group of each partition for :func:`pack`: 0 if ``rank`` owns it (``j % nranks``), else 1.
+
+    ``None`` (one group) for a single rank.
+    """
+    if nranks <= 1:
+        return None
+    return (np.arange(npartitions) % nranks != rank).astype(np.int8)
+
+
+def _allocate(
+    sizes: list[int], pool: HostPool | None
+) -> tuple[npt.NDArray[np.uint8], list[int], list[pa.Buffer]]:
+    """One buffer per group, and one array the kernels write all of them through.
+
+    Returns ``(array, offsets, buffers)``: group ``g`` is
+    ``array[offsets[g] : offsets[g] + sizes[g]]``, owned by ``buffers[g]``.
+    With a pool each group is a block of its own (so the pieces sent away
+    free theirs while the kept ones stay); the array then spans from the
+    lowest block to the end of the highest, and only the groups' ranges in it
+    are ever written.
+    """
+    if pool is None:
+        offsets = (np.cumsum(sizes) - np.asarray(sizes, np.int64)).tolist()
+        buf = _empty_aligned(max(sum(sizes), 1))
+        return buf, offsets, [pa.py_buffer(buf[o : o + s]) for o, s in zip(offsets, sizes, strict=True)]
+    buffers = [pool.allocate(s) for s in sizes]
+    lo = min(b.address for b in buffers)
+    hi = max(b.address + b.size for b in buffers)
+    span = np.ctypeslib.as_array((ctypes.c_uint8 * max(hi - lo, 1)).from_address(lo))
+    return span, [b.address - lo for b in buffers], buffers
 
 
 def _ipc_size(table: pa.Table) -> int:

@@ -18,13 +18,23 @@ import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData
-from mpshuffle.table._columns import arrow_columns, hash_ids, is_cols, pack, rank_ids, read_piece
+from mpshuffle.table._columns import (
+    arrow_columns,
+    hash_ids,
+    is_cols,
+    owner_groups,
+    pack,
+    rank_ids,
+    read_piece,
+)
 from mpshuffle.table._ipc import ARROW, Header, read_ipc
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import partition_ids
 
 if TYPE_CHECKING:
     import numpy.typing as npt
+
+    from mpshuffle.memory.pool import HostPool
 
 __all__ = ["ArrowAdapter"]
 
@@ -88,6 +98,23 @@ class ArrowAdapter(FrameAdapter):
         KeyError
             If a key column is missing.
         """
+        return self.split_for(frame, on, npartitions, ids)
+
+    def split_for(
+        self,
+        frame: pa.Table,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
+        *,
+        rank: int = 0,
+        nranks: int = 1,
+        pool: HostPool | None = None,
+    ) -> dict[int, PackedData]:
+        """:meth:`split`, the pieces' memory from ``pool``, kept and sent pieces apart.
+
+        See :meth:`~mpshuffle.table.FrameAdapter.split_for`.
+        """
         columns = arrow_columns(frame)
         if ids is None:
             missing = [c for c in on if c not in frame.column_names]
@@ -105,7 +132,8 @@ class ArrowAdapter(FrameAdapter):
             if frame.num_rows == 0:
                 return {}
             split = rank_ids(ids, npartitions)
-        return pack(columns, split, frame.schema)
+        groups = owner_groups(npartitions, rank, nranks)
+        return pack(columns, split, frame.schema, pool=pool, groups=groups)
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:
         """Concatenate pieces in order into a table with ``meta``'s schema.

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     from mpshuffle.memory.packed import PackedData
+    from mpshuffle.memory.pool import HostPool
 
 __all__ = ["AdapterRegistry", "FrameAdapter", "check_ids", "get_adapter", "register_adapter"]
 
@@ -101,6 +102,27 @@ class FrameAdapter(ABC):
             If ``ids`` has another shape or a value outside its range
             (:func:`check_ids`).
         """
+
+    def split_for(
+        self,
+        frame: Any,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
+        *,
+        rank: int = 0,
+        nranks: int = 1,
+        pool: HostPool | None = None,
+    ) -> dict[int, PackedData]:
+        """:meth:`split` on rank ``rank`` of ``nranks``, with memory from ``pool``.
+
+        An adapter that can place its pieces in pooled memory overrides this,
+        keeping the pieces that stay on ``rank`` (their partition ``j`` has
+        ``j % nranks == rank``) apart from those sent away, so that the
+        latter's memory is reused as soon as they are sent. The default
+        calls :meth:`split`.
+        """
+        return self.split(frame, on, npartitions, ids)
 
     @abstractmethod
     def unpack(self, pieces: Sequence[PackedData], meta: Any) -> Any:

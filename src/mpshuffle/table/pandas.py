@@ -42,6 +42,7 @@ from mpshuffle.table._columns import (
     Column,
     hash_ids,
     is_cols,
+    owner_groups,
     pack,
     pandas_columns,
     rank_ids,
@@ -54,6 +55,8 @@ from mpshuffle.table.hashing import partition_ids
 
 if TYPE_CHECKING:
     import numpy.typing as npt
+
+    from mpshuffle.memory.pool import HostPool
 
 __all__ = ["PandasAdapter"]
 
@@ -247,6 +250,23 @@ class PandasAdapter(FrameAdapter):
             If column names are not unique (also after ``str``) or not JSON
             scalars while some are not strings.
         """
+        return self.split_for(frame, on, npartitions, ids)
+
+    def split_for(
+        self,
+        frame: pd.DataFrame,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
+        *,
+        rank: int = 0,
+        nranks: int = 1,
+        pool: HostPool | None = None,
+    ) -> dict[int, PackedData]:
+        """:meth:`split`, the pieces' memory from ``pool``, kept and sent pieces apart.
+
+        See :meth:`~mpshuffle.table.FrameAdapter.split_for`.
+        """
         if ids is None:
             missing = [c for c in on if c not in frame.columns]
             if missing:
@@ -277,7 +297,7 @@ class PandasAdapter(FrameAdapter):
             split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on))
         else:
             split = rank_ids(ids, npartitions)
-        return pack(columns, split, schema, names)
+        return pack(columns, split, schema, names, pool=pool, groups=owner_groups(npartitions, rank, nranks))
 
     def _ids(
         self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int, ids: Any
