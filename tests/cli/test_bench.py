@@ -24,6 +24,8 @@ def _case(gb: float, mb_per_s: dict[str, tuple[float, float]]) -> dict[str, Any]
                 "method": method, "seconds": nbytes / 1e6 / speed, "mb_per_s": speed,
                 "peak_rss": [nbytes, nbytes], "peak_cluster_rss": 2 * nbytes,
                 "baseline_cluster_rss": 0, "disk_write_bytes": 0, "worker_cpu_seconds": 1.0,
+                "worker_cpu_user_seconds": 0.75, "worker_cpu_system_seconds": 0.25,
+                "worker_cpu_s_per_gb": 1.0 / gb * (100.0 / speed),
                 "load_average_1min": 0.0, **({"bytes_spilled": 0} if method == "mpshuffle" else {}),
             })
     case = {"input_bytes": nbytes, "rows": 1000, "runs": runs, "data": "synthetic", "workers": 2,
@@ -39,6 +41,19 @@ def _results(output: Path) -> dict[str, Any]:
     ]
     return {"versions": bench.versions(), "args": {}, "plot": bench._plot_path(str(output), cases),
             "cases": cases}
+
+
+def test_summary_has_medians_cpu_per_gb_and_system_share() -> None:
+    case = _case(0.5, {"mpshuffle": (400.0, 500.0, 600.0), "p2p": (100.0, 200.0, 100.0),
+                       "tasks": (50.0, 100.0, 150.0)})
+    s = case["summary"]
+    assert s["mpshuffle"]["mb_per_s_median"] == 500.0 and s["p2p"]["mb_per_s_median"] == 100.0
+    assert s["mpshuffle/p2p"]["throughput_median"] == 5.0
+    # CPU-s/GB as the runs recorded them: 2 * 100 / speed here.
+    assert s["mpshuffle"]["worker_cpu_s_per_gb_median"] == pytest.approx(2 * 100 / 500)
+    assert s["mpshuffle/p2p"]["worker_cpu_per_gb"] == pytest.approx((2 * 100 / 100) / (2 * 100 / 500))
+    assert s["tasks"]["worker_cpu_system_share_median"] == 0.25
+    assert "0.40" in bench.report({"cases": [case]}) and "4.0/5.0/3.0" in bench.report({"cases": [case]})
 
 
 @pytest.fixture
@@ -82,8 +97,8 @@ def test_without_matplotlib_the_summary_still_prints(
         ("0.01GB", "mpshuffle"), ("0.01GB", "p2p"), ("0.01GB", "tasks"),
         ("0.02GB", "mpshuffle"), ("0.02GB", "p2p"), ("0.02GB", "tasks"),
     ]
-    # mpshuffle/p2p throughput of the first case: worst 400/100, best 500/200.
-    assert rows[1][-1] == "4.0-2.5"
+    # mpshuffle/p2p throughput of the first case: worst 400/100, median 450/150, best 500/200.
+    assert rows[1][-1] == "4.0/3.0/2.5"
     assert not (tmp_path / "bench.png").exists()
 
 

@@ -16,7 +16,9 @@ benchmark records:
   the run (``psutil`` I/O counters; Dask P2P stages its shards on disk);
 * ``worker_cpu_seconds``: user + system CPU time of all worker processes
   during the run (less sensitive than ``seconds`` to other load on the machine),
-  and its two parts ``worker_cpu_user_seconds``, ``worker_cpu_system_seconds``;
+  and its two parts ``worker_cpu_user_seconds``, ``worker_cpu_system_seconds``
+  (system time is mostly page faults and socket copies), and per GB of input
+  (``worker_cpu_s_per_gb``);
 * ``bytes_spilled`` (mpshuffle only): from :func:`mpshuffle.dask.gather_statistics`.
 
 mpshuffle's bootstrap is timed once per cluster, on its own, before the first
@@ -262,6 +264,7 @@ def run_case(
             "worker_cpu_seconds": sampler.cpu_seconds,
             "worker_cpu_user_seconds": sampler.cpu_user_seconds,
             "worker_cpu_system_seconds": sampler.cpu_system_seconds,
+            "worker_cpu_s_per_gb": sampler.cpu_seconds / (nbytes / 1e9),
             "load_average_1min": os.getloadavg()[0],
         }
         if method == "mpshuffle":
@@ -272,11 +275,18 @@ def run_case(
     return {"input_bytes": nbytes, "rows": rows, "runs": runs}
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def summarize(case: dict[str, Any]) -> dict[str, Any]:
-    """Min/max of seconds, MB/s and peak memory per method, and the ratios.
+    """Min/median/max of seconds, MB/s, worker CPU-s/GB and peak memory per method, and the ratios.
 
     Ratios compare mpshuffle with each Dask method: throughput by the best
-    (max) and the worst (min) run of each; memory by the larger peak of each.
+    (max), the median and the worst (min) run of each; worker CPU time per GB
+    by the median of each; memory by the larger peak of each.
     """
     out: dict[str, Any] = {}
     for m in METHODS:
@@ -292,6 +302,13 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
             "peak_worker_rss_max": max(max(r["peak_rss"]) for r in rs),
             "disk_write_bytes_max": max(r["disk_write_bytes"] for r in rs),
             "worker_cpu_seconds_min": min(r["worker_cpu_seconds"] for r in rs),
+            "worker_cpu_s_per_gb_min": min(r["worker_cpu_s_per_gb"] for r in rs),
+            "worker_cpu_s_per_gb_median": _median([r["worker_cpu_s_per_gb"] for r in rs]),
+            "worker_cpu_s_per_gb_max": max(r["worker_cpu_s_per_gb"] for r in rs),
+            "worker_cpu_system_share_median": _median(
+                [r["worker_cpu_system_seconds"] / max(r["worker_cpu_seconds"], 1e-9) for r in rs]
+            ),
+            "mb_per_s_median": _median([r["mb_per_s"] for r in rs]),
         }
         if m == "mpshuffle":
             out[m]["bytes_spilled_max"] = max(r.get("bytes_spilled", 0) for r in rs)
@@ -302,6 +319,9 @@ def summarize(case: dict[str, Any]) -> dict[str, Any]:
                 out[f"mpshuffle/{m}"] = {
                     "throughput_best": mine["mb_per_s_max"] / out[m]["mb_per_s_max"],
                     "throughput_worst": mine["mb_per_s_min"] / out[m]["mb_per_s_min"],
+                    "throughput_median": mine["mb_per_s_median"] / out[m]["mb_per_s_median"],
+                    "worker_cpu_per_gb": out[m]["worker_cpu_s_per_gb_median"]
+                    / mine["worker_cpu_s_per_gb_median"],
                     "peak_cluster_rss": mine["peak_cluster_rss_max"] / out[m]["peak_cluster_rss_max"],
                 }
     return out
@@ -393,7 +413,7 @@ def run(args: Any) -> dict[str, Any]:
         by_workers.setdefault(c["workers"], []).append(c)
     for nworkers, group in by_workers.items():
         memory_limit = int(args.memory_limit * 2**30)
-        with LocalCluster(n_workers=nworkers, threads_per_worker=1, processes=True,
+        with LocalCluster(n_workers=nworkers, threads_per_worker=args.threads, processes=True,
                           memory_limit=memory_limit, dashboard_address=":0") as cluster, \
                 Client(cluster) as client:
             pids = sorted(client.run(os.getpid).values())
@@ -512,6 +532,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker counts to sweep, each >= 1")
     parser.add_argument("--partitions", type=positive_int, nargs="+", default=[60],
                         help="partition counts to sweep (input and output alike), each >= 1")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="threads per worker (task threads), >= 1")
     parser.add_argument("--repeats", type=int_at_least(2), default=2,
                         help="runs of each method per case (>= 2)")
     parser.add_argument("--memory-limit", type=positive_float, default=8.0,
@@ -546,7 +568,7 @@ def run_and_report(args: Any) -> int:
 def report(results: dict[str, Any]) -> str:
     """Return the summary as a text table (one row per case and method)."""
     head = f"{'case':<34} {'method':<10} {'MB/s min-max':>15} {'s min-max':>13} "
-    lines = [head + f"{'peak GB':>8} {'x mps':>11}"]
+    lines = [head + f"{'peak GB':>8} {'CPU-s/GB':>9} {'sys':>4} {'x mps min/med/max':>17}"]
     for c in results["cases"]:
         what = f"{c['gb']:g}GB" if "gb" in c else f"lineitem-sf{c['scale_factor']:g}"
         name = f"{what} {c['workers']}w {c['partitions']}p ({c['input_bytes'] / 1e9:.2f} GB)"
@@ -556,11 +578,13 @@ def report(results: dict[str, Any]) -> str:
             ratio = ""
             if m != "mpshuffle":
                 r = s[f"mpshuffle/{m}"]
-                ratio = f"{r['throughput_worst']:.1f}-{r['throughput_best']:.1f}"
+                ratio = (f"{r['throughput_worst']:.1f}/{r['throughput_median']:.1f}/"
+                         f"{r['throughput_best']:.1f}")
             lines.append(
                 f"{name:<34} {m:<10} {x['mb_per_s_min']:7.0f}-{x['mb_per_s_max']:<7.0f} "
                 f"{x['seconds_min']:6.2f}-{x['seconds_max']:<6.2f} {x['peak_cluster_rss_max'] / 1e9:8.2f} "
-                f"{ratio:>11}"
+                f"{x['worker_cpu_s_per_gb_median']:9.2f} {x['worker_cpu_system_share_median']:4.0%} "
+                f"{ratio:>17}"
             )
         lines.append(f"{'':<34} bootstrap {c['bootstrap_seconds']:.3f} s, mpshuffle spilled "
                      f"{s['mpshuffle'].get('bytes_spilled_max', 0) / 1e6:.0f} MB")
