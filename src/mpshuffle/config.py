@@ -74,6 +74,19 @@ def _bytes(name: str, value: Any) -> int:
     return n
 
 
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _bool(name: str, value: Any) -> bool:
+    # Environment variables arrive as strings (DASK_MPSHUFFLE__SHARED_MEMORY=false).
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    if isinstance(value, bool):
+        return value
+    raise OptionError(f"option {name!r} must be true or false, got {value!r}")
+
+
 def _spill_host(value: Any) -> float | int:
     if isinstance(value, str):
         try:
@@ -142,4 +155,5 @@ def resolve_options(**overrides: Any) -> Options:
         spill_device=_fraction("spill_device", raw.get("spill_device", 0.5)),  # type: ignore[arg-type]
         pool_size=_fraction("pool_size", raw.get("pool_size"), allow_none=True),
         batch_bytes=_bytes("batch_bytes", raw.get("batch_bytes", 4 * 2**20)),
+        shared_memory=_bool("shared_memory", raw.get("shared_memory", True)),
     )

@@ -37,6 +37,9 @@ class Options:
         Fraction in (0, 1] of device memory the pool takes up front, or ``None``.
     batch_bytes
         Bytes gathered per destination rank before a chunk is sent.
+    shared_memory
+        Whether ranks of one host exchange large messages through shared
+        memory (``/dev/shm``) instead of their socket.
     """
 
     comm: str = "tcp"
@@ -47,6 +50,7 @@ class Options:
     spill_device: float = 0.5
     pool_size: float | None = None
     batch_bytes: int = 4 * 2**20
+    shared_memory: bool = True
 
     def check_distributed(self) -> None:
         """Refuse options that cannot connect the worker processes of a distributed cluster.

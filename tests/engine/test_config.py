@@ -34,7 +34,7 @@ def test_shipped_defaults_are_registered_with_dask_config(clean_env: pytest.Monk
     opts = resolve_options()
     assert opts == Options(
         comm="tcp", timeout=300.0, bootstrap_timeout=30.0, spill_host=0.25, spill_dir=None,
-        spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20,
+        spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20, shared_memory=True,
     )
 
 
@@ -48,6 +48,10 @@ def test_environment_overrides_defaults_and_kwargs_override_both(clean_env: pyte
     assert opts.timeout == 12.0
     assert opts.spill_dir == "/tmp/from-env"
     assert opts.comm == "tcp"  # untouched: still the shipped default
+    clean_env.setenv("DASK_MPSHUFFLE__SHARED_MEMORY", "false")
+    dask.config.refresh()
+    assert resolve_options().shared_memory is False
+    assert resolve_options(shared_memory=True).shared_memory is True
 
     opts = resolve_options(spill_host=0.5, timeout=3, spill_dir="/tmp/from-kwargs")
     assert (opts.spill_host, opts.timeout, opts.spill_dir) == (0.5, 3.0, "/tmp/from-kwargs")
@@ -105,6 +109,8 @@ def test_host_budget_in_bytes() -> None:
         ("batch_bytes", "big", "'batch_bytes' must be a number of bytes"),
         ("comm", "mpi", "'comm' must be one of tcp, local"),
         ("spill_dir", 3, "'spill_dir' must be a path or None"),
+        ("shared_memory", "maybe", "'shared_memory' must be true or false"),
+        ("shared_memory", 1, "'shared_memory' must be true or false"),
     ],
 )
 def test_invalid_values_raise_option_error(name: str, value: object, match: str) -> None:

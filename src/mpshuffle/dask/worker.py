@@ -127,6 +127,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 token=spec["token"],
                 listen_address=_listen_address(address),
                 security=self.worker.security,
+                shared_memory=options.shared_memory,
             )
             try:
                 if rank == 0:
