@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -115,3 +118,22 @@ def test_split_for_keeps_pieces_apart_and_equal_to_split(adapter: object) -> Non
     gc.collect()
     assert pool.idle_bytes > 0  # the sent pieces' block is back while the kept ones live
     assert all(v.nrows for v in kept.values())
+
+
+@pytest.mark.parametrize("chosen", [None, "jemalloc"])
+def test_worker_processes_get_the_system_allocator_unless_the_user_chose(chosen: str | None) -> None:
+    # In a fresh interpreter: the switch is process-wide.
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    if chosen:
+        env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
+    code = (
+        "import pyarrow as pa; from mpshuffle.memory.allocator import use_system_allocator;"
+        "before = pa.default_memory_pool().backend_name; after = use_system_allocator();"
+        "print(before, after, pa.default_memory_pool().backend_name)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    if chosen:
+        assert out == [chosen, chosen, chosen]
+    else:
+        assert out[1:] == ["system", "system"]

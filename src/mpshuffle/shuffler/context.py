@@ -10,8 +10,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from mpshuffle.comm.local import LocalCommunicator
 from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
+from mpshuffle.memory.allocator import use_system_allocator
 from mpshuffle.memory.pool import HostPool
 from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.shuffler.host import TAG, Shuffler
@@ -116,6 +118,10 @@ class WorkerContext:
             owner=f"rank {comm.rank} (worker {worker})",
             spill_prefix=f"mpshuffle-{generation}",
         )
+        if not isinstance(comm, LocalCommunicator):
+            # A worker process of a cluster (not the user's own process, which
+            # Dask's single-process schedulers run in): see memory/allocator.py.
+            use_system_allocator()
         budget = limits[MemoryType.HOST]
         self.pool = HostPool(_POOL_DEFAULT if budget is None else budget // 4, self.resource)
         self.pool.retain = False  # until a run starts
@@ -281,8 +287,6 @@ class LocalRuntime:
         """The process's context (created with the options ``resolve`` returns)."""
         with self._lock:
             if self._context is None:
-                from mpshuffle.comm import LocalCommunicator
-
                 options = self._resolve()
                 self._context = WorkerContext(LocalCommunicator(), "local", options, workers=("local",))
             return self._context
