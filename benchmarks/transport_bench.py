@@ -10,10 +10,16 @@ send until the receiver confirmed the last byte, and each process's CPU time
 
 Methods:
 
-* ``comm``: :class:`mpshuffle.comm.TcpCommunicator` over ``tcp://`` (what a
-  shuffle uses between ranks; each message is ``[16-byte header, data]``,
-  the shape of one piece of a chunk);
-* ``comm-tls``: the same over ``tls://`` with ``Security.temporary()``;
+* ``comm``: :class:`mpshuffle.comm.tcp.TcpCommunicator` over ``tcp://`` as a
+  shuffle uses it between ranks (shared memory between the two processes
+  here; each message is ``[16-byte header, data]``, the shape of one piece
+  of a chunk);
+* ``comm-tcp``: the same with ``shared_memory=False``: raw frames on the
+  socket, received into fresh memory;
+* ``comm-pool``: ``comm-tcp`` receiving into a :class:`mpshuffle.memory.pool.HostPool`
+  (reused memory where the receiver dropped earlier messages; with
+  ``--hold`` nothing is dropped, so it gets fresh memory too);
+* ``comm-tls``: ``comm-tcp`` over ``tls://`` with ``Security.temporary()``;
 * ``raw``: a plain TCP socket, 8-byte length prefix, ``sendall`` of the
   buffer and ``recv_into`` one reused buffer: the floor for a socket.
 
@@ -108,14 +114,18 @@ def _security(tls: bool) -> Any:
 
 
 async def _comm_rank(
-    rank: int, addr_q: Any, result_q: Any, size: int, count: int, tls: bool, sec: Any, hold: bool
+    rank: int, addr_q: Any, result_q: Any, size: int, count: int, method: str, sec: Any, hold: bool
 ) -> None:
     from mpshuffle.comm.tcp import TcpCommunicator
+    from mpshuffle.memory.pool import HostPool
 
-    proto = "tls" if tls else "tcp"
+    proto = "tls" if method == "comm-tls" else "tcp"
     comm = await TcpCommunicator.start(
-        rank, 2, generation="bench", token="t", listen_address=f"{proto}://127.0.0.1:0", security=sec
+        rank, 2, generation="bench", token="t", listen_address=f"{proto}://127.0.0.1:0", security=sec,
+        shared_memory=method == "comm",
     )
+    if method == "comm-pool":
+        comm.set_receive_allocator(HostPool(4 * size).allocate)
     try:
         if rank == 0:
             addr_q.put(comm.addresses[0])
@@ -177,10 +187,10 @@ async def _comm_send(comm: Any, result_q: Any, size: int, count: int) -> None:
 
 
 def _comm_main(
-    rank: int, addr_q: Any, result_q: Any, size: int, count: int, tls: bool, sec: Any, hold: bool
+    rank: int, addr_q: Any, result_q: Any, size: int, count: int, method: str, sec: Any, hold: bool
 ) -> None:
     _pin(1 - rank)
-    asyncio.run(_comm_rank(rank, addr_q, result_q, size, count, tls, sec, hold))
+    asyncio.run(_comm_rank(rank, addr_q, result_q, size, count, method, sec, hold))
 
 
 # -- driver --------------------------------------------------------------------
@@ -197,11 +207,10 @@ def run_once(method: str, size: int, count: int, hold: bool = False) -> dict[str
         recv.start()
         send = ctx.Process(target=_raw_sender, args=(q1.get(timeout=60), sq, size, count))
     else:
-        tls = method == "comm-tls"
-        sec = _security(tls)
-        recv = ctx.Process(target=_comm_main, args=(0, q1, rq, size, count, tls, sec, hold))
+        sec = _security(method == "comm-tls")
+        recv = ctx.Process(target=_comm_main, args=(0, q1, rq, size, count, method, sec, hold))
         recv.start()
-        send = ctx.Process(target=_comm_main, args=(1, q1, sq, size, count, tls, sec, hold))
+        send = ctx.Process(target=_comm_main, args=(1, q1, sq, size, count, method, sec, hold))
     send.start()
     seconds, su, ss = sq.get(timeout=600)
     ru, rs = rq.get(timeout=600)
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 35])
     p.add_argument("--total-mb", type=float, default=1400, help="bytes moved per transfer, in MB")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--methods", nargs="+", default=["comm", "raw"], choices=["comm", "comm-tls", "raw"])
+    p.add_argument("--methods", nargs="+", default=["comm", "raw"], choices=["comm", "comm-tcp", "comm-pool", "comm-tls", "raw"])
     p.add_argument(
         "--hold", action="store_true",
         help="receivers keep every message to the end (a shuffle's postbox); the raw floor "

@@ -19,10 +19,15 @@ from mpshuffle.errors import CommError
 BIG = 2 * _shm.MIN_BYTES + 3  # an odd size: the padding between frames is exercised
 
 
-def _pair(shared_memory: tuple[bool, bool] = (True, True), generation: str = "g") -> list[TcpCommunicator]:
+def _pair(
+    shared_memory: tuple[bool, bool] = (True, True), generation: str = "g", security: Any = None
+) -> list[TcpCommunicator]:
+    proto = "tls" if security is not None else "tcp"
+
     async def start(rank: int) -> TcpCommunicator:
         return await TcpCommunicator.start(
-            rank, 2, generation=generation, token="secret", shared_memory=shared_memory[rank]
+            rank, 2, generation=generation, token="secret", shared_memory=shared_memory[rank],
+            listen_address=f"{proto}://127.0.0.1:0", security=security,
         )
 
     async def both() -> list[TcpCommunicator]:
@@ -172,3 +177,75 @@ def test_probe_and_message_files_outside_the_directory_are_refused(tmp_path: Any
     frames[1][:8] = bytes(8)  # writable, like a buffer received from a socket
     with pytest.raises(OSError):
         _shm.open_message(msg, sizes, directory)
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_large_messages_on_a_socket_land_in_buffers_of_the_receivers_allocator(tls: bool) -> None:
+    security = None
+    if tls:
+        from distributed.security import Security
+
+        security = Security.temporary()
+    c0, c1 = _pair((False, False), generation="raw", security=security)
+    try:
+        asked: list[int] = []
+        blocks: list[Any] = []
+
+        def allocate(nbytes: int) -> Any:
+            asked.append(nbytes)
+            block = np.full(nbytes + 64, 0xEE, dtype=np.uint8)  # poisoned: every byte must be overwritten
+            blocks.append(block)
+            return block[(-block.ctypes.data) % 64 :]
+
+        c0.set_receive_allocator(allocate)
+        inbox = _Inbox(c0)
+        rng = np.random.default_rng(2)
+        big = rng.integers(0, 255, 300_001, dtype=np.uint8)
+        frames = [b"h" * 13, big, b"", big[:70_000]]
+        c1.send_nowait(0, ("t", 1), frames).result(10)
+        c1.send_nowait(0, ("t", 2), [b"x" * 100]).result(10)  # small: distributed.comm's own framing
+        for _ in range(200):
+            if len(inbox.messages) == 2:
+                break
+            threading.Event().wait(0.05)
+        assert inbox.messages == [
+            (1, ("t", 1), [b"h" * 13, big.tobytes(), b"", big[:70_000].tobytes()]),
+            (1, ("t", 2), [b"x" * 100]),
+        ]
+        # One buffer for the whole message, each frame at a 64-byte boundary.
+        assert asked == [64 + 300_032 + 0 + 70_016]
+        assert c0.bytes_received == c1.bytes_sent == 13 + 300_001 + 70_000 + 100
+        c0.set_receive_allocator(None)  # fresh memory again
+        c1.send_nowait(0, ("t", 3), [big]).result(10)
+        for _ in range(200):
+            if len(inbox.messages) == 3:
+                break
+            threading.Event().wait(0.05)
+        assert inbox.messages[2] == (1, ("t", 3), [big.tobytes()]) and len(asked) == 1
+    finally:
+        c0.close()
+        c1.close()
+
+
+def test_frames_received_from_a_socket_are_aligned_views_of_one_buffer() -> None:
+    c0, c1 = _pair((False, False), generation="raw-align")
+    try:
+        got: list[list[Any]] = []
+        done = threading.Event()
+
+        def handler(src: int, tag: Any, frames: list[Any]) -> None:
+            got.append(frames)
+            done.set()
+
+        c0.register_handler("t", handler)
+        c1.send_nowait(0, ("t", 1), [b"abc", np.arange(20_000, dtype=np.int64)]).result(10)
+        assert done.wait(10)
+        (frames,) = got
+        arrays = [np.frombuffer(f, np.uint8) for f in frames]
+        assert all(a.ctypes.data % 64 == 0 for a in arrays)
+        assert arrays[1].ctypes.data - arrays[0].ctypes.data == 64
+        assert np.frombuffer(frames[1], np.int64).tolist() == list(range(20_000))
+        assert not frames[1].readonly  # writable, as distributed.comm's buffers were
+    finally:
+        c0.close()
+        c1.close()

@@ -34,12 +34,14 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import distributed.comm
+import numpy as np
 from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import Serialized
+from tornado.iostream import StreamClosedError
 
 from mpshuffle.comm import _shm
 from mpshuffle.comm.base import Communicator, Frames, Tag
@@ -52,6 +54,34 @@ logger = logging.getLogger(__name__)
 # Wait for the socket to drain after writing messages at least this large, so
 # that a sender cannot queue unbounded data in the transport's buffer.
 _DRAIN_BYTES = 1 << 20
+
+#: Messages of at least this many bytes cross a socket as *raw* frames: a
+#: small header through distributed.comm, then the frames themselves, each
+#: padded to 64 bytes, read by the receiver into one buffer of its own
+#: choosing (see :meth:`TcpCommunicator.set_receive_allocator`).
+RAW_BYTES = 64 * 1024
+
+# Reads and writes on the stream go in pieces of at most this many bytes
+# (sockets take at most a C int per call).
+_IO_PIECE = 1 << 30
+
+Allocator = Callable[[int], Any]
+
+
+def _aligned_empty(nbytes: int) -> Any:
+    raw = np.empty(nbytes + _shm.ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _shm.ALIGNMENT
+    return raw[start : start + nbytes]
+
+
+def _layout(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets of frames of ``sizes`` bytes laid out at 64-byte boundaries, and the total."""
+    offsets = []
+    total = 0
+    for n in sizes:
+        offsets.append(total)
+        total += n + (-n % _shm.ALIGNMENT)
+    return offsets, total
 
 
 class _ShmMessage:
@@ -125,6 +155,7 @@ class TcpCommunicator(Communicator):
         self._shm_peers = set()
         self._acks = collections.defaultdict(collections.deque)
         self._readers: dict[int, asyncio.Task[None]] = {}
+        self._allocate: Allocator = _aligned_empty
         self._closing = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -138,6 +169,19 @@ class TcpCommunicator(Communicator):
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
+
+    def set_receive_allocator(self, allocate: Allocator | None) -> None:
+        """Receive large messages from sockets into buffers from ``allocate(nbytes)``.
+
+        ``allocate`` is called on the progress thread and returns a writable
+        buffer of at least ``nbytes`` bytes (e.g.
+        :meth:`mpshuffle.memory.pool.HostPool.allocate`, whose blocks come
+        back when the last frame viewing them is gone, so that memory freed by
+        sent chunks and extracted partitions is received into again instead
+        of fresh pages). ``None`` restores fresh 64-byte aligned memory per
+        message.
+        """
+        self._allocate = allocate if allocate is not None else _aligned_empty
 
     @classmethod
     async def start(
@@ -363,11 +407,15 @@ class TcpCommunicator(Communicator):
                     # Only now may the sender send its next chunk (back-pressure).
                     await comm.write({"op": "ack"})
                     continue
-                payload = msg.get("frames")
-                frames = list(payload.frames) if isinstance(payload, Serialized) else []
+                sizes = msg.get("raw")
+                if sizes is not None:
+                    frames = await self._read_raw(comm, sizes)
+                else:
+                    payload = msg.get("frames")
+                    frames = list(payload.frames) if isinstance(payload, Serialized) else []
                 self.bytes_received += sum(memoryview(f).nbytes for f in frames)
                 self._deliver(src, tag, frames)
-        except (CommClosedError, OSError) as e:
+        except (CommClosedError, StreamClosedError, OSError) as e:
             if not self._closing and src not in self._departed:
                 self._peer_lost(src, f"connection from {peer} closed ({e})")
         except Exception:
@@ -376,6 +424,19 @@ class TcpCommunicator(Communicator):
                 self._peer_lost(src, f"connection from {peer} failed")
         finally:
             comm.abort()
+
+    async def _read_raw(self, comm: Any, sizes: Sequence[int]) -> list[memoryview]:
+        """Read the raw frames announced with ``sizes`` into one buffer from the allocator."""
+        offsets, total = _layout(sizes)
+        if not total:
+            return [memoryview(b"") for _ in sizes]
+        view = np.frombuffer(self._allocate(total), dtype=np.uint8)[:total].data
+        stream = comm.stream
+        if stream is None:
+            raise CommClosedError("the connection closed while a message arrived")
+        for start in range(0, total, _IO_PIECE):
+            await stream.read_into(view[start : start + _IO_PIECE])
+        return [view[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
 
     def _check_hello(self, hello: Any) -> int | None:
         if not isinstance(hello, dict) or hello.get("op") != "mpshuffle-hello":
@@ -426,16 +487,36 @@ class TcpCommunicator(Communicator):
         nbytes = sum(memoryview(f).nbytes for f in frames)
         async with lock:
             try:
-                await comm.write({"tag": list(tag), "frames": Serialized({}, frames)})
                 stream = getattr(comm, "stream", None)
+                if nbytes >= RAW_BYTES and stream is not None:
+                    await self._write_raw(comm, stream, tag, frames)
+                else:
+                    await comm.write({"tag": list(tag), "frames": Serialized({}, frames)})
                 if nbytes >= _DRAIN_BYTES and stream is not None:
                     # Tornado resolves an empty write once everything before it is on the wire.
                     await stream.write(b"")
-            except (CommClosedError, OSError) as e:
+            except (CommClosedError, StreamClosedError, OSError) as e:
                 self._out.pop(dest, None)
                 self._peer_lost(dest, f"sending to {self.addresses[dest]} failed ({e})")
                 raise CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e}") from e
         self.bytes_sent += nbytes
+
+    @staticmethod
+    async def _write_raw(comm: Any, stream: Any, tag: Tag, frames: Frames) -> None:
+        views = [memoryview(f).cast("B") for f in frames]
+        await comm.write({"tag": list(tag), "raw": [v.nbytes for v in views]})
+        # Queued behind the header on the same stream, in order; the buffers
+        # are not copied (tornado keeps large ones as views).
+        last = None
+        for v in views:
+            for start in range(0, v.nbytes, _IO_PIECE):
+                last = stream.write(v[start : start + _IO_PIECE])
+            pad = -v.nbytes % _shm.ALIGNMENT
+            if pad:
+                last = stream.write(bytes(pad))
+        if last is not None:
+            # Resolves once these frames are in the kernel's socket buffer.
+            await last
 
     async def _send_shm(self, dest: int, tag: Tag, message: _ShmMessage) -> None:
         try:

@@ -125,6 +125,11 @@ class WorkerContext:
         budget = limits[MemoryType.HOST]
         self.pool = HostPool(_POOL_DEFAULT if budget is None else budget // 4, self.resource)
         self.pool.retain = False  # until a run starts
+        # Chunks from a socket land in pooled memory too (the tcp backend's
+        # hook; other backends hand over the sender's own buffers).
+        set_allocator = getattr(comm, "set_receive_allocator", None)
+        if set_allocator is not None:
+            set_allocator(self.pool.allocate)
         self.shufflers: dict[int, Shuffler | DeviceRun] = {}
         self.history: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=_HISTORY)
         self._finished: collections.deque[int] = collections.deque(maxlen=4096)
