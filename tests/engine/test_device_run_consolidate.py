@@ -95,12 +95,12 @@ def test_batched_copy_on_the_host_copies_every_segment_and_nothing_else() -> Non
 
 
 def test_a_full_device_leaves_the_pieces_as_they_are(comm: LocalCommunicator, monkeypatch: Any) -> None:
-    from mpshuffle.shuffler import device
+    from mpshuffle.shuffler.device import buffers
 
     def full(xp: Any, sizes: list[int]) -> list[Any]:
         raise MemoryError("out of device memory (test)")
 
-    monkeypatch.setattr(device, "_allocate", full)
+    monkeypatch.setattr(buffers, "allocate", full)
     inputs = [_host_table(i, 800) for i in range(3)]
     resource = BufferResource()
     run, pieces = _shuffle(comm, resource, inputs)

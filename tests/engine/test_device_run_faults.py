@@ -33,7 +33,7 @@ from mpshuffle.comm import LocalCommunicator
 from mpshuffle.comm.base import Communicator, Frames, Tag
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
-from mpshuffle.shuffler import device as device_module
+from mpshuffle.shuffler.device import buffers as buffers_module
 from mpshuffle.shuffler.device import DeviceRun, DeviceState
 from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order
 
@@ -371,9 +371,9 @@ class _FakeState(DeviceState):
 @pytest.fixture
 def host_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Received buffers and spilled sends as NumPy arrays (filled with junk: every byte must be written)."""
-    monkeypatch.setattr(device_module, "_empty_device", lambda n: np.full(n, 0xAB, dtype=np.uint8))
-    monkeypatch.setattr(device_module, "_to_device", lambda a: np.array(a, copy=True))
-    monkeypatch.setattr(device_module, "_cupy", lambda: np)
+    monkeypatch.setattr(buffers_module, "empty_device", lambda n: np.full(n, 0xAB, dtype=np.uint8))
+    monkeypatch.setattr(buffers_module, "to_device", lambda a: np.array(a, copy=True))
+    monkeypatch.setattr(buffers_module, "cupy_module", lambda: np)
 
 
 @contextlib.contextmanager

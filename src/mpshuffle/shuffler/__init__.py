@@ -10,12 +10,17 @@ host
     :class:`~mpshuffle.shuffler.host.Shuffler`, one rank's state of a host run.
 device
     :class:`~mpshuffle.shuffler.device.DeviceRun`, one rank's state of a
-    device run (CuPy/cudf partitions exchanged over NCCL).
+    device run (CuPy/cudf partitions exchanged over NCCL): ``state`` (the
+    rank's GPU, budget, NCCL transport and exchange turns), ``buffers``
+    (buffers in their memory tiers), ``exchange`` (round sizes, headers,
+    consolidation plan), ``run`` (the run).
 context
     :class:`~mpshuffle.shuffler.context.WorkerContext`, what one rank of a
     generation holds, and :class:`~mpshuffle.shuffler.context.LocalRuntime`,
     the single-process runtime.
 collective
-    :class:`~mpshuffle.shuffler.collective.DeviceShuffle`, a collective
-    device shuffle for ranks that all call it together.
+    :class:`~mpshuffle.shuffler.collective.DeviceShuffle`, a bulk-synchronous
+    device shuffle for ranks that all call it together (each round received
+    straight into per-column output buffers); the GPU benchmark's transport
+    baseline and the multi-process NCCL test use it.
 """
