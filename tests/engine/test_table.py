@@ -20,6 +20,7 @@ from mpshuffle.table import (
     PackedData,
     PandasAdapter,
     get_adapter,
+    owned_partitions,
     partition_ids,
     partition_owner,
     register_adapter,
@@ -479,6 +480,28 @@ def test_partition_owner() -> None:
     assert [partition_owner(p, 3) for p in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     with pytest.raises(ValueError):
         partition_owner(1, 0)
+
+
+@pytest.mark.parametrize(("nranks", "npartitions"), [(1, 5), (3, 7), (4, 2), (5, 0)])
+def test_owned_partitions_inverts_partition_owner(nranks: int, npartitions: int) -> None:
+    owned = [list(owned_partitions(r, nranks, npartitions)) for r in range(nranks)]
+    assert sorted(p for ps in owned for p in ps) == list(range(npartitions))
+    for r, ps in enumerate(owned):
+        assert all(partition_owner(p, nranks) == r for p in ps)
+    with pytest.raises(ValueError, match="rank must be in"):
+        owned_partitions(nranks, nranks, npartitions)
+
+
+@pytest.mark.parametrize(("nranks", "npartitions"), [(1, 5), (3, 7), (4, 2), (2, 9)])
+def test_device_partition_order_groups_rows_by_owner(nranks: int, npartitions: int) -> None:
+    from mpshuffle.table.device import partition_order, rank_major_pids
+
+    ids = np.random.default_rng(0).integers(0, npartitions, 500).astype(np.int64)
+    order, counts = partition_order(ids, npartitions, nranks)
+    owners = [partition_owner(int(p), nranks) for p in ids[order]]
+    assert owners == sorted(owners)  # rank-major: every owner's rows together, rank by rank
+    pids = rank_major_pids(npartitions, nranks)
+    assert ids[order].tolist() == [p for p in pids for _ in range(counts[p])]
 
 
 # ----------------------------------------------------------- arrow adapter

@@ -38,7 +38,7 @@ from mpshuffle.errors import (
     SpillError,
 )
 from mpshuffle.memory import BufferResource, MemoryType, Postbox
-from mpshuffle.table import PackedData, partition_owner
+from mpshuffle.table import PackedData, owned_partitions, partition_owner
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
@@ -305,7 +305,7 @@ class Shuffler:
                 self._accepted = accepted
                 self.npartitions = npartitions
                 rank, nranks = self.comm.rank, self.comm.nranks
-                self._owned = {p for p in range(rank, npartitions, nranks)}
+                self._owned = set(owned_partitions(rank, nranks, npartitions))
                 sent = list(self._sent)
         if first:
             for dest in range(self.comm.nranks):

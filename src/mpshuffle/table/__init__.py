@@ -10,7 +10,7 @@ from __future__ import annotations
 from mpshuffle.memory.packed import PackedData
 from mpshuffle.table.arrow import ArrowAdapter
 from mpshuffle.table.base import FrameAdapter, get_adapter, register_adapter
-from mpshuffle.table.hashing import partition_ids, partition_owner
+from mpshuffle.table.hashing import owned_partitions, partition_ids, partition_owner
 from mpshuffle.table.pandas import PandasAdapter
 
 # Built-ins first: adapters registered later take precedence.
@@ -23,6 +23,7 @@ __all__ = [
     "PackedData",
     "PandasAdapter",
     "get_adapter",
+    "owned_partitions",
     "partition_ids",
     "partition_owner",
     "register_adapter",

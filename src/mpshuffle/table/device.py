@@ -38,7 +38,7 @@ import numpy as np
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData
 from mpshuffle.table.base import FrameAdapter, check_ids
-from mpshuffle.table.hashing import COMBINE_MULTIPLIER, NULL_HASH
+from mpshuffle.table.hashing import COMBINE_MULTIPLIER, NULL_HASH, owned_partitions
 
 __all__ = [
     "DeviceAdapter",
@@ -343,7 +343,7 @@ def partition_order(ids: Any, npartitions: int, nranks: int = 1) -> tuple[Any, A
 
 def rank_major_pids(npartitions: int, nranks: int) -> list[int]:
     """Partition ids in the order of :func:`partition_order` (rank-major)."""
-    return [p for r in range(nranks) for p in range(r, npartitions, nranks)]
+    return [p for r in range(nranks) for p in owned_partitions(r, nranks, npartitions)]
 
 
 # -- the adapter -------------------------------------------------------------

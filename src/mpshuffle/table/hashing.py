@@ -65,7 +65,9 @@ from mpshuffle.table._canonical import NULL_HASH
 if TYPE_CHECKING:
     import numpy.typing as npt
 
-__all__ = ["NULL_HASH", "combine_hashes", "ids_from_hashes", "partition_ids", "partition_owner"]
+__all__ = [
+    "NULL_HASH", "combine_hashes", "ids_from_hashes", "owned_partitions", "partition_ids", "partition_owner",
+]
 
 #: Odd multiplier of the column-combining step (see the module docstring).
 COMBINE_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
@@ -201,3 +203,36 @@ def partition_owner(partition_id: int, nranks: int) -> int:
     if partition_id < 0:
         raise ValueError(f"partition_id must be >= 0, got {partition_id}")
     return int(partition_id) % int(nranks)
+
+
+def owned_partitions(rank: int, nranks: int, npartitions: int) -> range:
+    """The output partitions rank ``rank`` owns: those with ``partition_owner(p, nranks) == rank``.
+
+    The inverse of :func:`partition_owner`; the one place (with it) where the
+    owner rule is written. Vectorized forms of the rule over arrays of ids
+    (:func:`mpshuffle.table.device.partition_order`) are tested against it.
+
+    Parameters
+    ----------
+    rank
+        A rank in ``[0, nranks)``.
+    nranks
+        Number of ranks, ``>= 1``.
+    npartitions
+        Number of output partitions, ``>= 0``.
+
+    Returns
+    -------
+    range
+        The ids, ascending.
+
+    Raises
+    ------
+    ValueError
+        If ``nranks < 1`` or ``rank`` is not in ``[0, nranks)``.
+    """
+    if nranks < 1:
+        raise ValueError(f"nranks must be >= 1, got {nranks}")
+    if not 0 <= rank < nranks:
+        raise ValueError(f"rank must be in [0, {nranks}), got {rank}")
+    return range(rank, max(npartitions, 0), nranks)

@@ -30,6 +30,7 @@ import numpy as np
 
 from mpshuffle.errors import SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Reservation, SpillDirectory
+from mpshuffle.table import owned_partitions
 
 __all__ = [
     "DeviceBuffer",
@@ -191,7 +192,7 @@ def outbox_ranges(
     base = some.data.base if some.data.base is not None else some.data
     base_ptr = device_ptr(base)
     for dest in range(nranks):
-        mine = [(p, pieces[p]) for p in range(dest, npartitions, nranks) if p in pieces]
+        mine = [(p, pieces[p]) for p in owned_partitions(dest, nranks, npartitions) if p in pieces]
         if not mine:
             continue
         start = device_ptr(mine[0][1].data) - base_ptr

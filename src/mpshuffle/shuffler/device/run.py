@@ -77,7 +77,7 @@ from mpshuffle.shuffler.device.buffers import (
     Piece,
 )
 from mpshuffle.shuffler.device.state import DEVICE_TAG, DeviceState
-from mpshuffle.table import PackedData
+from mpshuffle.table import PackedData, owned_partitions
 from mpshuffle.table.device import (
     DeviceAdapter,
     DeviceTable,
@@ -368,7 +368,7 @@ class DeviceRun:
                     self.npartitions = int(info["npartitions"])
                     self._accepted = info.get("accepted")
                     r, n = self.comm.rank, self.comm.nranks
-                    self._owned = set(range(r, self.npartitions, n))
+                    self._owned = set(owned_partitions(r, n, self.npartitions))
                     self._thread = threading.Thread(
                         target=self._exchange_thread, daemon=True,
                         name=f"mpshuffle-device-exchange-op{self.op_id}",
