@@ -231,7 +231,7 @@ def main() -> None:
     mps_peak, p2p_peak = max(mps["peak_rss"].values()), max(p2p["peak_rss"].values())
     result["mpshuffle_within_bound"] = ok
     result["mpshuffle_peak_below_p2p"] = mps_peak < p2p_peak
-    spilled = sum(s["bytes_spilled"] for s in mps["statistics"].values())
+    spilled = sum(s["bytes_spilled_disk"] for s in mps["statistics"].values())
     print(
         f"\nmpshuffle: spilled {spilled / MiB:.0f} MiB; peak {mps_peak / MiB:.0f} MiB vs P2P peak "
         f"{p2p_peak / MiB:.0f} MiB (ratio {mps_peak / p2p_peak:.2f}); within bound on every worker: {ok}; "

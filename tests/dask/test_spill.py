@@ -19,6 +19,7 @@ from mpshuffle.config import resolve_options
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
 from mpshuffle.errors import ShuffleError, SpillError
 from mpshuffle.shuffler.context import LocalRuntime
+from mpshuffle.shuffler.run import STATISTICS
 
 NROWS = 60_000
 
@@ -74,9 +75,9 @@ def test_local_shuffle_with_tiny_budget_spills_and_is_correct(local_runtime: Loc
     _check_shuffled(parts, df.compute())
     ctx = local_runtime.context
     ((_, stats),) = list(ctx.history)
-    assert stats["bytes_spilled"] > 0
-    assert stats["bytes_unspilled"] == stats["bytes_spilled"]
-    assert stats["bytes_received"] == stats["bytes_inserted"] > stats["bytes_spilled"] * 0.5
+    assert stats["bytes_spilled_disk"] > 0
+    assert stats["bytes_unspilled_disk"] == stats["bytes_spilled_disk"]
+    assert stats["bytes_received"] == stats["bytes_inserted"] > stats["bytes_spilled_disk"] * 0.5
     assert ctx.shufflers == {}
     assert os.listdir(tmp_path) == []
 
@@ -129,8 +130,13 @@ def test_cluster_shuffle_with_1mib_budget_spills_and_cleans_up(client: Any) -> N
     last = max(run["op_id"] for run in runs)
     mine = [run for run in runs if run["op_id"] == last]
     assert sorted(run["rank"] for run in mine) == [0, 1]
-    assert sum(run["bytes_spilled"] for run in mine) > 0
-    assert all(run["bytes_unspilled"] == run["bytes_spilled"] for run in mine)
+    assert sum(run["bytes_spilled_disk"] for run in mine) > 0
+    assert all(run["bytes_unspilled_disk"] == run["bytes_spilled_disk"] for run in mine)
+    # One statistics type for both kinds: a host run reports every key, the
+    # device-only mechanisms (spill to host, rounds, consolidation) at 0.
+    assert all(set(run) == {"op_id", "generation", "rank", *STATISTICS} for run in mine)
+    assert all(run["chunks_received"] > 0 and run["seconds_extract"] > 0 for run in mine)
+    assert all(run["rounds"] == run["bytes_spilled_host"] == run["bytes_consolidated"] == 0 for run in mine)
     # What every rank inserted was received somewhere.
     assert sum(r["bytes_inserted"] for r in mine) == sum(r["bytes_received"] for r in mine)
 

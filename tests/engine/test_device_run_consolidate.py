@@ -28,8 +28,8 @@ def _shuffle(comm: LocalCommunicator, resource: BufferResource, inputs: list[dic
     comm.register_handler("mpsd", run.receive)
     for i, t in enumerate(inputs):
         run.insert(i, DeviceTable(t), ["key"], NPART)
-    run.barrier(NPART, 10)
-    return run, [run.extract(j, 10) for j in range(NPART)]
+    run.barrier(NPART)
+    return run, [run.extract(j) for j in range(NPART)]
 
 
 def _expected(inputs: list[dict[str, np.ndarray]], j: int, like: dict[str, np.dtype[Any]]) -> dict[str, np.ndarray]:
@@ -78,7 +78,7 @@ def test_no_consolidation_past_the_device_budget(comm: LocalCommunicator) -> Non
     # Room for the received buffers (about 3 x 32 kB) but not for a second copy of them.
     resource = BufferResource({MemoryType.DEVICE: 120_000})
     run, pieces = _shuffle(comm, resource, inputs)
-    assert run.statistics["bytes_spilled"] == 0 and run.statistics["bytes_consolidated"] == 0
+    assert run.statistics["bytes_spilled_host"] == 0 and run.statistics["bytes_consolidated"] == 0
     assert [len(p) for p in pieces] == [3] * NPART
     _assert_partitions(pieces, inputs)
     assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]

@@ -33,8 +33,8 @@ from mpshuffle.comm import LocalCommunicator
 from mpshuffle.comm.base import Communicator, Frames, Tag
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
-from mpshuffle.shuffler.device import buffers as buffers_module
 from mpshuffle.shuffler.device import DeviceRun, DeviceState
+from mpshuffle.shuffler.device import buffers as buffers_module
 from mpshuffle.table.device import DeviceAdapter, DeviceTable, partition_order
 
 Table = dict[str, np.ndarray]
@@ -170,21 +170,21 @@ def test_one_rank_output_is_every_input_row_in_order(
     # Out of index order: the output is in index order all the same.
     for i in reversed(range(len(inputs))):
         run.insert(i, DeviceTable(inputs[i]), on, npart)
-    run.barrier(npart, 10)
+    run.barrier(npart)
     stats = dict(run.statistics)
     for j, want in enumerate(_expected(inputs, on, npart)):
-        _assert_partition(run.extract(j, 10), want, j)
+        _assert_partition(run.extract(j), want, j)
     assert run.closed
     if case == "one-slot-per-round":
         # No room left for a second copy of the 75 kB: the pieces stay as they are.
         assert (
             stats["rounds"] == 4
-            and stats["bytes_spilled"] == 0
+            and stats["bytes_spilled_host"] == 0
             and stats["bytes_consolidated"] == 0
         )
     elif case == "two-slots-per-round":
         assert (
-            stats["rounds"] == 2 and stats["bytes_spilled"] == 0 and stats["bytes_consolidated"] > 0
+            stats["rounds"] == 2 and stats["bytes_spilled_host"] == 0 and stats["bytes_consolidated"] > 0
         )
     elif case == "spill-to-disk":
         assert stats["bytes_spilled_disk"] > 0 and stats["bytes_consolidated"] == 0
@@ -201,12 +201,12 @@ def test_all_rows_in_one_partition(comm: LocalCommunicator, tmp_path: Any) -> No
     run = _one_rank(comm, resource)
     for i, t in enumerate(inputs):
         run.insert(i, DeviceTable(t), ["c0"], 8)
-    run.barrier(8, 10)
+    run.barrier(8)
     want = _expected(inputs, ["c0"], 8)
     full = [j for j, w in enumerate(want) if len(w["row"])]
     assert len(full) == 1 and len(want[full[0]]["row"]) == 703
     for j in range(8):
-        pieces = run.extract(j, 10)
+        pieces = run.extract(j)
         assert len(pieces) == (1 if j in full else 0)
         _assert_partition(pieces, want[j], j)
     _assert_clean([resource], tmp_path)
@@ -231,11 +231,11 @@ def test_some_buffers_spilled_others_not_skips_consolidation(
     # Room enough now: only the spilled buffer stops the consolidation (on a
     # GPU, a batched copy from host memory would read garbage or fault).
     resource.limits[MemoryType.DEVICE] = 10**9
-    run.barrier(6, 10)
+    run.barrier(6)
     assert run.statistics["bytes_consolidated"] == 0
     assert [i.buffer.on_device for i in run._incoming] == [False, True, True, True]
     for j, want in enumerate(_expected(inputs, ["c0"], 6)):
-        pieces = run.extract(j, 10)
+        pieces = run.extract(j)
         assert len(pieces) == 4
         _assert_partition(pieces, want, j)
     _assert_clean([resource], tmp_path)
@@ -259,10 +259,10 @@ def test_a_failure_between_rounds_frees_everything(
 
     run._spill_over_budget = fail_after_round_two  # type: ignore[method-assign]
     with pytest.raises(ShuffleError, match="failed by the test"):
-        run.barrier(6, 10)
+        run.barrier(6)
     assert run.statistics["rounds"] == 2
     with pytest.raises(ShuffleError, match="failed by the test"):
-        run.extract(0, 10)
+        run.extract(0)
     run.close()
     _assert_clean([resource], tmp_path)
 
@@ -273,14 +273,14 @@ def test_extract_of_a_partition_not_owned_or_twice(comm: LocalCommunicator, tmp_
     run = _one_rank(comm, resource)
     for i, t in enumerate(inputs):
         run.insert(i, DeviceTable(t), ["c0"], 3)
-    run.barrier(3, 10)
+    run.barrier(3)
     for bad in (3, -1):
         with pytest.raises(ShuffleError, match=f"partition {bad} .* not owned"):
-            run.extract(bad, 10)
+            run.extract(bad)
     want = _expected(inputs, ["c0"], 3)
-    _assert_partition(run.extract(1, 10), want[1], 1)
+    _assert_partition(run.extract(1), want[1], 1)
     with pytest.raises(ShuffleError, match="partition 1 .* already extracted"):
-        run.extract(1, 10)
+        run.extract(1)
     assert not run.closed and resource.used(MemoryType.DEVICE) > 0
     run.close()  # before partitions 0 and 2 were taken
     _assert_clean([resource], tmp_path)
@@ -431,10 +431,10 @@ def test_several_ranks_output_is_every_input_row_in_order(
     with _ranks(nranks, resources) as runs:
         for i in reversed(range(len(inputs))):
             runs[where[i]].insert(i, DeviceTable(inputs[i]), ["c0"], npart)
-        runs[1].barrier(npart, 10)  # the barrier task may run on any rank
+        runs[1].barrier(npart)  # the barrier task may run on any rank
         stats = [dict(r.statistics) for r in runs]
         for j, want in enumerate(_expected(inputs, ["c0"], npart)):
-            _assert_partition(runs[j % nranks].extract(j, 10), want, j)
+            _assert_partition(runs[j % nranks].extract(j), want, j)
         assert all(r.closed for r in runs)
     rounds = {s["rounds"] for s in stats}
     assert len(rounds) == 1  # every rank takes the same slots per round
@@ -467,9 +467,9 @@ def test_one_rank_keeps_only_the_accepted_attempt_of_an_input(
     run.insert(0, DeviceTable(inputs[0]), ["c0"], 4, attempt="abandoned")
     run.insert(1, DeviceTable(inputs[1]), ["c0"], 4, attempt="only")
     run.insert(0, DeviceTable(inputs[0]), ["c0"], 4, attempt="kept")
-    run.barrier(4, 10, accepted=["kept", "only"])
+    run.barrier(4, accepted=["kept", "only"])
     for j, want in enumerate(_expected(inputs, ["c0"], 4)):
-        _assert_partition(run.extract(j, 10), want, j)
+        _assert_partition(run.extract(j), want, j)
     _assert_clean([resource], tmp_path)
 
 
@@ -486,7 +486,7 @@ def test_several_ranks_keep_only_the_accepted_attempt(host_device: None, tmp_pat
         for i, t in enumerate(inputs):
             runs[i].insert(i, DeviceTable(t), ["c0"], 5, attempt=f"a{i}")
         assert runs[1]._outbox[0].buffer.disk is not None  # type: ignore[union-attr]
-        runs[0].barrier(5, 10, accepted=["a0", "a1", "a2"])
+        runs[0].barrier(5, accepted=["a0", "a1", "a2"])
         for j, want in enumerate(_expected(inputs, ["c0"], 5)):
-            _assert_partition(runs[j % 3].extract(j, 10), want, j)
+            _assert_partition(runs[j % 3].extract(j), want, j)
     _assert_clean(resources, tmp_path)

@@ -69,13 +69,13 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
         run.insert(i, DeviceTable(t), ["key"], NPART)
     # The outbox went device -> host -> disk: one whole file per buffer under outbox/.
     stats = run.statistics
-    assert stats["bytes_spilled"] > 0 and stats["bytes_spilled_disk"] > 0
+    assert stats["bytes_spilled_host"] > 0 and stats["bytes_spilled_disk"] > 0
     assert resource.used(MemoryType.DISK) == stats["bytes_spilled_disk"]
     assert resource.used(MemoryType.DEVICE) <= LIMIT and resource.used(MemoryType.HOST) <= LIMIT
     outbox = _files(tmp_path)
     assert outbox and all(f.startswith(os.path.join("mpshuffle-g-op7-r0", "outbox", "part-")) for f in outbox)
 
-    run.barrier(NPART, 10)
+    run.barrier(NPART)
     assert stats["rounds"] == 4
     # Every outbox file was read back for its round (and deleted); received
     # pieces are on disk in one file per output partition.
@@ -94,7 +94,7 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
     parts = []
     for j in range(NPART):
         on_disk = resource.used(MemoryType.DISK)
-        pieces = run.extract(j, 10)
+        pieces = run.extract(j)
         assert len(pieces) == 4  # one piece per input partition (1000 random keys each)
         assert reads == list(range(j + 1))  # one read of partition j's file in its extract
         parts.append(_unpack(pieces, inputs[0]))
@@ -116,12 +116,12 @@ def test_fail_removes_spill_files_before_and_after_the_exchange(comm: LocalCommu
         for i, t in enumerate(inputs):
             run.insert(i, DeviceTable(t), ["key"], NPART)
         if at_barrier:
-            run.barrier(NPART, 10)
-            run.extract(0, 10)  # one partition read back; the others still on disk
+            run.barrier(NPART)
+            run.extract(0)  # one partition read back; the others still on disk
         assert _files(tmp_path) and resource.used(MemoryType.DISK) > 0
         run.fail(ShuffleError("released by the test"))
         with pytest.raises(ShuffleError, match="released by the test"):
-            run.extract(1, 10)
+            run.extract(1)
         run.close()
         _assert_clean(resource, tmp_path)
 
@@ -187,7 +187,7 @@ def test_disk_full_in_insert_fails_the_run_cleanly(
     with pytest.raises(SpillError, match="disk is full"):
         run.insert(9, DeviceTable(inputs[0]), ["key"], NPART)
     with pytest.raises(SpillError, match="disk is full"):
-        run.barrier(NPART, 10)
+        run.barrier(NPART)
     run.close()
     _assert_clean(resource, tmp_path)
 
@@ -198,8 +198,8 @@ def test_disk_full_in_insert_fails_the_run_cleanly(
     comm.register_handler("mpsd", lambda src, tag, frames: run2.receive(src, tag, frames) if tag[1] == 8 else None)
     for i, t in enumerate(inputs):
         run2.insert(i, DeviceTable(t), ["key"], NPART)
-    run2.barrier(NPART, 10)
-    parts = [_unpack(run2.extract(j, 10), inputs[0]) for j in range(NPART)]
+    run2.barrier(NPART)
+    parts = [_unpack(run2.extract(j), inputs[0]) for j in range(NPART)]
     _check_output(parts, inputs, NPART)
     assert run2.statistics["bytes_spilled_disk"] > 0
     _assert_clean(resource, tmp_path)
@@ -219,10 +219,10 @@ def test_disk_full_in_the_exchange_fails_the_barrier_and_extract(
     resource.limits[MemoryType.HOST] = LIMIT
     calls = _disk_full_after(monkeypatch, ok_writes=2)  # part of one buffer's pieces get written
     with pytest.raises(ShuffleError) as info:
-        run.barrier(NPART, 10)
+        run.barrier(NPART)
     _check_disk_full(str(info.value), tmp_path)
     assert calls["n"] == 3
     with pytest.raises(ShuffleError, match="disk is full"):
-        run.extract(0, 10)
+        run.extract(0)
     run.close()
     _assert_clean(resource, tmp_path)

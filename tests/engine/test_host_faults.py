@@ -55,7 +55,7 @@ def ranks() -> Iterator[tuple[list[Shuffler], set[int], threading.Event]]:
     nranks, frozen, thaw = 3, set[int](), threading.Event()
     group: list[_Group] = []
     group.extend(_Group(r, nranks, group, frozen, thaw) for r in range(nranks))
-    shufflers = [Shuffler(c, 7, resource=BufferResource(), batch_bytes=64) for c in group]
+    shufflers = [Shuffler(c, 7, resource=BufferResource(), timeout=5, batch_bytes=64) for c in group]
     for c, s in zip(group, shufflers, strict=True):
         c.register_handler("mps", s.receive)
     yield shufflers, frozen, thaw
@@ -83,9 +83,10 @@ def test_a_send_that_does_not_complete_names_the_rank_that_stopped_reading(
     assert {2, 5} & set(pieces)  # some piece goes to rank 2
     if batches == "one-chunk":
         shufflers[1]._batch_bytes = 1 << 30
+    shufflers[1].timeout = 0.3
     t0 = time.monotonic()
     with pytest.raises(ShuffleTimeoutError) as info:
-        shufflers[1].insert(0, pieces, 0.3)
+        shufflers[1].insert(0, pieces)
     elapsed = time.monotonic() - t0
     message = str(info.value)
     assert info.value.missing == (2,)
@@ -100,8 +101,9 @@ def test_sends_to_every_rank_that_stopped_reading_are_named(
     shufflers, frozen, _ = ranks
     frozen.update({0, 2})
     shufflers[1]._batch_bytes = 1 << 30
+    shufflers[1].timeout = 0.3
     with pytest.raises(ShuffleTimeoutError) as info:
-        shufflers[1].insert(0, _pieces(6, 6), 0.3)
+        shufflers[1].insert(0, _pieces(6, 6))
     assert info.value.missing == (0, 2)
     assert "rank 0 (mem://0), rank 2 (mem://2) did not take a chunk from rank 1" in str(info.value)
 
@@ -113,9 +115,9 @@ def test_healthy_ranks_shuffle_exactly(ranks: tuple[list[Shuffler], set[int], th
     frame = pd.DataFrame({"k": range(90), "v": range(90)})
     for i in range(3):
         part = frame.iloc[i * 30 : (i + 1) * 30]
-        shufflers[i].insert(i, adapter.split(part, ["k"], 6), 5)
-    shufflers[0].barrier(6, 5)
+        shufflers[i].insert(i, adapter.split(part, ["k"], 6))
+    shufflers[0].barrier(6)
     rows = []
     for j in range(6):
-        rows.extend(adapter.unpack(shufflers[j % 3].extract(j, 5), frame.iloc[:0])["v"].tolist())
+        rows.extend(adapter.unpack(shufflers[j % 3].extract(j), frame.iloc[:0])["v"].tolist())
     assert sorted(rows) == list(range(90))

@@ -15,7 +15,7 @@ from mpshuffle.table import PandasAdapter
 def shuffler():  # type: ignore[no-untyped-def]
     comm = LocalCommunicator()
     comm.register_handler("mps", lambda src, tag, frames: s.receive(src, tag, frames))
-    s = Shuffler(comm, 1, resource=BufferResource())
+    s = Shuffler(comm, 1, resource=BufferResource(), timeout=5)
     yield s
     s.close()
     comm.close()
@@ -26,11 +26,11 @@ def test_only_the_accepted_attempt_of_an_input_counts(shuffler: Shuffler) -> Non
     adapter = PandasAdapter()
     part0 = pd.DataFrame({"k": [1, 2, 3], "v": [10, 20, 30]})
     part1 = pd.DataFrame({"k": [4, 5], "v": [40, 50]})
-    shuffler.insert(0, adapter.split(part0, ["k"], 1), 5, attempt="old")
-    shuffler.insert(0, adapter.split(part0, ["k"], 1), 5, attempt="new")
-    shuffler.insert(1, adapter.split(part1, ["k"], 1), 5, attempt="only")
-    shuffler.barrier(1, 5, accepted=["new", "only"])
-    out = adapter.unpack(shuffler.extract(0, 5), part0.iloc[:0])
+    shuffler.insert(0, adapter.split(part0, ["k"], 1), attempt="old")
+    shuffler.insert(0, adapter.split(part0, ["k"], 1), attempt="new")
+    shuffler.insert(1, adapter.split(part1, ["k"], 1), attempt="only")
+    shuffler.barrier(1, accepted=["new", "only"])
+    out = adapter.unpack(shuffler.extract(0), part0.iloc[:0])
     assert out["v"].tolist() == [10, 20, 30, 40, 50]
     assert shuffler.closed
 

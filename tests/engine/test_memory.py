@@ -174,9 +174,9 @@ class _RecordingComm:
 def test_insert_keeps_at_most_one_chunk_in_flight_per_destination(tmp_path: Any) -> None:
     comm = _RecordingComm()
     res = BufferResource({MemoryType.HOST: 10**9}, spill_dir=str(tmp_path))
-    s = Shuffler(comm, 1, resource=res, batch_bytes=1000)  # type: ignore[arg-type]
+    s = Shuffler(comm, 1, resource=res, timeout=5, batch_bytes=1000)  # type: ignore[arg-type]
     pieces = {pid: _piece(range(pid * 100, pid * 100 + 200)) for pid in range(40)}  # 1601 bytes each
-    s.insert(0, pieces, timeout=5)
+    s.insert(0, pieces)
     assert comm.chunks == 40  # every piece passes batch_bytes on its own
     assert comm.most_in_flight == 1
     assert comm.in_flight == {0: 0, 1: 0}
@@ -191,7 +191,7 @@ def test_insert_keeps_at_most_one_chunk_in_flight_per_destination(tmp_path: Any)
 def test_failed_run_frees_its_spill_files(tmp_path: Any) -> None:
     comm = _RecordingComm()
     res = BufferResource({MemoryType.HOST: 1}, spill_dir=str(tmp_path), spill_prefix="mpshuffle-g")
-    s = Shuffler(comm, 9, resource=res)  # type: ignore[arg-type]
+    s = Shuffler(comm, 9, resource=res, timeout=5)  # type: ignore[arg-type]
     s.postbox.add(0, (0, 0, 0), _piece(range(100)))
     assert os.listdir(tmp_path) == ["mpshuffle-g-op9-r0"]
     s.fail(ShuffleError("peer lost"))

@@ -16,7 +16,6 @@ state) and is refused with a clear error.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import uuid
@@ -30,10 +29,9 @@ from mpshuffle.config import resolve_options
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.shuffler.context import LocalRuntime, RunInfo, WorkerContext
 from mpshuffle.shuffler.device import is_device_meta
-from mpshuffle.table import PandasAdapter, get_adapter, partition_owner
+from mpshuffle.table import FrameAdapter, PandasAdapter, get_adapter, partition_owner
 from mpshuffle.table.base import check_columns, check_ids
-from mpshuffle.table.cudf import CudfAdapter
-from mpshuffle.table.device import DeviceAdapter, DeviceTable
+from mpshuffle.table.device import DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
@@ -63,6 +61,9 @@ class ShuffleSpec:
         ``None`` (hash partitioning of ``on``), or a picklable callable
         ``partitioner(frame) -> int64 ids`` (shape ``(n,)``, values in
         ``[0, npartitions)``) that replaces the hash, e.g. a range partitioner.
+    device
+        Whether the run is a device run (the meta is device data, see
+        :func:`~mpshuffle.shuffler.device.is_device_meta`).
     """
 
     token: str
@@ -74,6 +75,7 @@ class ShuffleSpec:
     extract_name: str
     keep_index: bool = False
     partitioner: Any = None
+    device: bool = False
 
     def __dask_tokenize__(self) -> tuple[Any, ...]:
         # Every task carries the spec; its token already names the shuffle.
@@ -158,7 +160,8 @@ def shuffle_graph(
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
     npartitions = check_npartitions(npartitions)
-    if is_device_meta(meta):
+    device = is_device_meta(meta)
+    if device:
         register_device_adapter()  # a CuPy table's adapter, registered on first use
         if keep_index and not isinstance(meta, DeviceTable):
             raise ValueError(
@@ -178,6 +181,7 @@ def shuffle_graph(
         extract_name=f"{name}-extract-{token}",
         keep_index=keep_index,
         partitioner=partitioner,
+        device=device,
     )
     graph: dict[Any, Any] = {}
     insert_keys = []
@@ -267,50 +271,28 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
             adapter.column_names(frame), get_adapter(spec.meta).column_names(spec.meta),
             what=f"input partition {input_index}",
         )
-        if is_device_meta(spec.meta):
-            # Device tables stay on the GPU; they move over NCCL at the barrier.
-            # The adapter matches a device meta, so it is one of the device adapters.
-            assert isinstance(adapter, (DeviceAdapter, CudfAdapter)), type(adapter)
-            table = adapter.device_table(frame)  # a cudf frame as zero-copy CuPy columns
-            ids = None if spec.partitioner is None else _device_ids(table, frame, spec)
-            ctx.shuffler(run.op_id, device=True).insert(
-                input_index, table, spec.on, spec.npartitions, ids, attempt=attempt
-            )
-        else:
-            pieces = _split(adapter, frame, spec, ctx)
-            ctx.shuffler(run.op_id).insert(input_index, pieces, ctx.options.timeout, attempt=attempt)
+        adapter = _with_index(adapter, spec)
+        ids = None if spec.partitioner is None else _partitioner_ids(adapter, frame, spec)
+        ctx.shuffler(run.op_id, device=spec.device).insert_frame(
+            input_index, frame, adapter, spec.on, spec.npartitions, ids, attempt=attempt
+        )
     return {"op_id": run.op_id, "generation": run.generation, "attempt": attempt}
 
 
-def _with_index(adapter: Any, spec: ShuffleSpec) -> Any:
+def _with_index(adapter: FrameAdapter, spec: ShuffleSpec) -> FrameAdapter:
     if spec.keep_index and isinstance(adapter, PandasAdapter):
         return PandasAdapter(index=True)
     return adapter
 
 
-def _split(adapter: Any, frame: Any, spec: ShuffleSpec, ctx: WorkerContext) -> Any:
-    adapter = _with_index(adapter, spec)
-    ids = None
-    if spec.partitioner is not None:
-        ids = np.asarray(spec.partitioner(frame), dtype=np.int64)
-        _check_partitioner_ids(ids, adapter.num_rows(frame), spec)
-    return adapter.split_for(
-        frame, list(spec.on), spec.npartitions, ids, rank=ctx.rank, nranks=ctx.nranks, pool=ctx.pool
-    )
-
-
-def _check_partitioner_ids(ids: Any, nrows: int, spec: ShuffleSpec) -> None:
+def _partitioner_ids(adapter: FrameAdapter, frame: Any, spec: ShuffleSpec) -> Any:
+    # The partitioner sees the task's frame (a cudf frame stays one); its ids
+    # go where the frame's data is (host or the frame's GPU).
+    ids = adapter.as_ids(frame, spec.partitioner(frame))
     try:
-        check_ids(ids, nrows, spec.npartitions)
+        check_ids(ids, adapter.num_rows(frame), spec.npartitions)
     except ValueError as e:
         raise ShuffleError(f"the partitioner {spec.partitioner!r} returned bad ids: {e}") from None
-
-
-def _device_ids(table: DeviceTable, frame: Any, spec: ShuffleSpec) -> Any:
-    # The partitioner sees the task's frame (a cudf frame stays one); its ids
-    # go to the table's device.
-    ids = table.xp.asarray(spec.partitioner(frame)).astype(np.int64)
-    _check_partitioner_ids(ids, table.nrows, spec)
     return ids
 
 
@@ -328,12 +310,7 @@ def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
         raise ShuffleError(f"barrier phase: shuffle {spec.token}: {reason}")
     with _guard(runtime, "barrier", run, ctx):
         accepted = [r.get("attempt", "") for r in inserted]
-        if is_device_meta(spec.meta):
-            ctx.shuffler(run.op_id, device=True).barrier(
-                spec.npartitions, ctx.options.timeout, accepted=accepted
-            )
-        else:
-            ctx.shuffler(run.op_id).barrier(spec.npartitions, ctx.options.timeout, accepted=accepted)
+        ctx.shuffler(run.op_id, device=spec.device).barrier(spec.npartitions, accepted=accepted)
     return {"op_id": run.op_id, "generation": run.generation, "workers": run.workers}
 
 
@@ -356,10 +333,10 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
     else:
         ctx = runtime.context
     adapter = _with_index(get_adapter(spec.meta), spec)
-    on_device = is_device_meta(spec.meta)
     try:
         with _guard(runtime, "extract", run, ctx):
-            pieces = ctx.shuffler(op_id, device=on_device).extract(partition_id, ctx.options.timeout)
+            shuffler = ctx.shuffler(op_id, device=spec.device)
+            pieces = shuffler.extract(partition_id)
     except PartitionGoneError as e:
         if run is None:
             raise
@@ -370,7 +347,7 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
         raise
     # Outside the guard: a piece that does not fit the meta is a data error,
     # not a wait that timed out, so it must not retire the generation.
-    with phase("extract", _where(ctx)), ctx.device_scope() if on_device else contextlib.nullcontext():
+    with phase("extract", _where(ctx)), shuffler.scope():
         out = adapter.unpack(pieces, spec.meta)
     if not distributed_ and op_id not in ctx.shufflers:
         runtime.end_run(spec.token)

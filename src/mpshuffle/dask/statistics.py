@@ -28,12 +28,11 @@ def gather_statistics(client: Client | None = None) -> Any:
         Worker address -> one dict per finished run on that worker's rank,
         oldest first (at most the last 64 runs of the current generation):
         ``{"op_id": int, "generation": str, "rank": int, **statistics}``,
-        where the statistics are those of
-        :class:`mpshuffle.shuffler.Statistics` (``bytes_inserted``,
-        ``bytes_sent``, ``bytes_received``, ``bytes_spilled``,
-        ``bytes_unspilled``, ``chunks_sent``, ``chunks_received`` in bytes and
-        counts; ``seconds_insert``, ``seconds_wait``, ``seconds_extract``,
-        ``seconds_spill``, ``seconds_unspill`` in seconds). A worker that was
+        where the statistics have the keys of
+        :class:`mpshuffle.shuffler.run.Statistics` for host and device runs
+        alike (``bytes_inserted``, ``bytes_sent``, ``bytes_received``,
+        ``bytes_spilled_host``, ``bytes_spilled_disk``,
+        ``bytes_unspilled_disk``, ... in bytes, counts and seconds). A worker that was
         never bootstrapped has an empty list.
     """
     if client is None:

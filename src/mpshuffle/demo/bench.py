@@ -209,7 +209,7 @@ def _spilled(client: Any, since: dict[str, int]) -> int:
     for addr, runs in stats.items():
         for r in runs:
             if r["op_id"] > since.get(addr, -1):
-                total += int(r.get("bytes_spilled", 0))
+                total += int(r.get("bytes_spilled_disk", 0))
         if runs:
             since[addr] = max(r["op_id"] for r in runs)
     return total

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mpshuffle.comm.local import LocalCommunicator
 from mpshuffle.errors import PartitionGoneError, ShuffleError
@@ -17,6 +16,7 @@ from mpshuffle.memory.allocator import use_system_allocator
 from mpshuffle.memory.pool import HostPool
 from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
 from mpshuffle.shuffler.host import TAG, Shuffler
+from mpshuffle.shuffler.run import Run
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -130,18 +130,18 @@ class WorkerContext:
         set_allocator = getattr(comm, "set_receive_allocator", None)
         if set_allocator is not None:
             set_allocator(self.pool.allocate)
-        self.shufflers: dict[int, Shuffler | DeviceRun] = {}
-        self.history: collections.deque[tuple[int, dict[str, Any]]] = collections.deque(maxlen=_HISTORY)
+        self.shufflers: dict[int, Run] = {}
+        self.history: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=_HISTORY)
         self._finished: collections.deque[int] = collections.deque(maxlen=4096)
         self._failed: dict[int, BaseException] = {}
         self._lock = threading.RLock()
         self._closed = False
         comm.register_handler(TAG, self._on_message)
-        comm.register_handler(DEVICE_TAG, self._on_device_message)
+        comm.register_handler(DEVICE_TAG, self._on_message)
         comm.on_peer_lost(self._on_peer_lost)
 
-    def shuffler(self, op_id: int, *, device: bool = False) -> Any:
-        """The shuffler of run ``op_id`` on this rank, created on first use.
+    def shuffler(self, op_id: int, *, device: bool = False) -> Run:
+        """The run ``op_id`` on this rank, created on first use.
 
         A :class:`~mpshuffle.shuffler.Shuffler`, or with ``device=True`` a
         :class:`~mpshuffle.shuffler.device.DeviceRun` (device tables over NCCL).
@@ -173,8 +173,8 @@ class WorkerContext:
                 )
             else:
                 s = Shuffler(
-                    self.comm, op_id, resource=self.resource,
-                    batch_bytes=self.options.batch_bytes, on_done=self._on_done,
+                    self.comm, op_id, resource=self.resource, timeout=self.options.timeout,
+                    batch_bytes=self.options.batch_bytes, pool=self.pool, on_done=self._on_done,
                 )
             self.shufflers[op_id] = s
             self.pool.retain = True
@@ -195,26 +195,15 @@ class WorkerContext:
             self.pool.trim()
 
     def _on_message(self, src: int, tag: Tag, frames: Frames) -> None:
+        # Host runs' messages are tagged TAG, device runs' DEVICE_TAG: the
+        # first message of a run on this rank creates it of the right kind.
         op_id = tag[1]
         with self._lock:
             if op_id in self._finished or op_id in self._failed or self._closed:
                 logger.debug("mpshuffle: dropped %r from rank %d for a finished run", tag, src)
                 return
-            s = self.shuffler(op_id)
+            s = self.shuffler(op_id, device=tag[0] == DEVICE_TAG)
         s.receive(src, tag, frames)
-
-    def _on_device_message(self, src: int, tag: Tag, frames: Frames) -> None:
-        op_id = tag[1]
-        with self._lock:
-            if op_id in self._finished or op_id in self._failed or self._closed:
-                logger.debug("mpshuffle: dropped %r from rank %d for a finished run", tag, src)
-                return
-            s = self.shuffler(op_id, device=True)
-        s.receive(src, tag, frames)
-
-    def device_scope(self) -> Any:
-        """Context manager making this rank's GPU current in the calling thread (no-op without one)."""
-        return self.device.scope() if self.device is not None else contextlib.nullcontext()
 
     def _on_peer_lost(self, rank: int, reason: str) -> None:
         address = self.workers[rank] if rank < len(self.workers) else self.comm.addresses[rank]

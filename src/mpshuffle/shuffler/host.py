@@ -25,46 +25,35 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from mpshuffle.errors import (
     CommError,
-    PartitionGoneError,
     ShuffleError,
     ShuffleTimeoutError,
     SpillError,
 )
 from mpshuffle.memory import BufferResource, MemoryType, Postbox
-from mpshuffle.table import PackedData, owned_partitions, partition_owner
+from mpshuffle.shuffler.run import Run
+from mpshuffle.table import PackedData, partition_owner
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
+    from mpshuffle.memory.pool import HostPool
+    from mpshuffle.table import FrameAdapter
 
-__all__ = ["TAG", "Shuffler", "Statistics"]
+__all__ = ["TAG", "Shuffler"]
 
 logger = logging.getLogger(__name__)
 
 TAG = "mps"
 
 
-class Statistics(dict):  # type: ignore[type-arg]
-    """Counters of one shuffle run on one rank (a plain ``dict`` of numbers).
-
-    Keys: ``bytes_inserted``, ``bytes_sent`` (to other ranks),
-    ``bytes_received`` (from other ranks and itself), ``bytes_spilled``,
-    ``bytes_unspilled``, ``chunks_sent``, ``chunks_received``,
-    ``seconds_insert``, ``seconds_wait``, ``seconds_extract``,
-    ``seconds_spill``, ``seconds_unspill``; bytes are packed sizes, seconds
-    wall time summed over calls (spill time is part of receiving, on the
-    progress thread; unspill time is part of extract).
-    """
-
-
-class Shuffler:
-    """One rank's state of one shuffle run.
+class Shuffler(Run):
+    """One rank's state of one host run (see :class:`~mpshuffle.shuffler.run.Run` for the lifecycle).
 
     Parameters
     ----------
@@ -74,16 +63,17 @@ class Shuffler:
         Id of the run, unique within the generation.
     resource
         Where every buffer the shuffler holds is accounted (and spilled).
+    timeout
+        Seconds any wait of the run may take (a send, the barrier, extract).
     batch_bytes
         Pieces for one destination are sent together up to about this many bytes.
+    pool
+        Host memory that :meth:`insert_frame`'s pieces are placed in (reused
+        across inserts and runs), or ``None``.
     on_done
         Called once with ``op_id`` after this rank's last output partition was
         extracted, or when the run is closed.
     """
-
-    op_id: int
-    npartitions: int | None
-    statistics: Statistics
 
     def __init__(
         self,
@@ -91,43 +81,39 @@ class Shuffler:
         op_id: int,
         *,
         resource: BufferResource,
+        timeout: float,
         batch_bytes: int = 4 * 2**20,
+        pool: HostPool | None = None,
         on_done: Callable[[int], None] | None = None,
     ) -> None:
-        self.comm = comm
-        self.op_id = op_id
-        self.npartitions = None
-        self.statistics = Statistics(
-            bytes_inserted=0, bytes_sent=0, bytes_received=0, bytes_spilled=0,
-            bytes_unspilled=0, chunks_sent=0, chunks_received=0,
-            seconds_insert=0.0, seconds_wait=0.0, seconds_extract=0.0,
-            seconds_spill=0.0, seconds_unspill=0.0,
-        )
+        super().__init__(comm, op_id, resource=resource, timeout=timeout, on_done=on_done)
         self._batch_bytes = batch_bytes
-        self._on_done = on_done
-        self._lock = threading.Lock()
+        self.pool = pool
         self._complete = threading.Event()
         self._sent = [0] * comm.nranks
         self._received = [0] * comm.nranks
         self._expected: list[int | None] = [None] * comm.nranks
-        self._inputs_done = False
         self._seq = 0
-        self._error: BaseException | None = None
-        self._owned: set[int] = set()
-        self._extracted: set[int] = set()
-        self._closed = False
         self.postbox = Postbox(resource, name=f"op{op_id}-r{comm.rank}")
-        self._acks: set[int] = set()
-        self._acks_event = threading.Event()
         self._barrier_running = False
-        # The insert attempt whose data counts, per input partition (set by
-        # the barrier); None keeps everything (no barrier named them).
-        self._accepted: list[str] | None = None
 
     # -- insert ----------------------------------------------------------
-    def insert(
-        self, input_index: int, pieces: Mapping[int, PackedData], timeout: float, attempt: str = ""
+    def insert_frame(
+        self, input_index: int, frame: Any, adapter: FrameAdapter, on: Sequence[Any],
+        npartitions: int, ids: Any = None, attempt: str = "",
     ) -> None:
+        """Split ``frame`` with ``adapter`` by output partition and :meth:`insert` the pieces.
+
+        The pieces this rank keeps and those it sends are placed apart, in
+        memory from the :class:`~mpshuffle.memory.pool.HostPool` (if the run
+        has one), so a sent piece's memory is reused by the next insert.
+        """
+        pieces = adapter.split_for(
+            frame, list(on), npartitions, ids, rank=self.comm.rank, nranks=self.comm.nranks, pool=self.pool
+        )
+        self.insert(input_index, pieces, attempt=attempt)
+
+    def insert(self, input_index: int, pieces: Mapping[int, PackedData], attempt: str = "") -> None:
         """Send the pieces of one input partition to their owners.
 
         Back-pressure: at most one chunk (about ``batch_bytes``) per
@@ -149,8 +135,6 @@ class Shuffler:
             the others' pieces.
         pieces
             Output partition id -> packed piece of that partition.
-        timeout
-            Seconds a send may take.
 
         Raises
         ------
@@ -161,7 +145,7 @@ class Shuffler:
         if self._inputs_done:
             raise ShuffleError(f"insert after insert_finished in shuffle op {self.op_id}")
         t0 = time.perf_counter()
-        nranks = self.comm.nranks
+        nranks, timeout = self.comm.nranks, self.timeout
         total = sum(p.nbytes for p in pieces.values())
         reservation = self.postbox.resource.reserve(MemoryType.HOST, total)
         batches: dict[int, list[tuple[int, PackedData]]] = {}
@@ -275,10 +259,7 @@ class Shuffler:
             info = msgpack.unpackb(frames[0])
             self.insert_finished(info["npartitions"], reply_to=src, accepted=info.get("accepted"))
         elif kind == "inputs-done-ack":
-            with self._lock:
-                self._acks.add(src)
-                if len(self._acks) == self.comm.nranks:
-                    self._acks_event.set()
+            self._record_ack(src)
 
     def _check_complete(self) -> None:
         with self._lock:
@@ -301,11 +282,7 @@ class Shuffler:
                 first = False
             else:
                 first = True
-                self._inputs_done = True
-                self._accepted = accepted
-                self.npartitions = npartitions
-                rank, nranks = self.comm.rank, self.comm.nranks
-                self._owned = set(owned_partitions(rank, nranks, npartitions))
+                self._mark_inputs_done(npartitions, accepted)
                 sent = list(self._sent)
         if first:
             for dest in range(self.comm.nranks):
@@ -318,7 +295,7 @@ class Shuffler:
         if reply_to is not None:
             self.comm.send_nowait(reply_to, (TAG, self.op_id, "inputs-done-ack"), [])
 
-    def barrier(self, npartitions: int, timeout: float, accepted: list[str] | None = None) -> None:
+    def barrier(self, npartitions: int, accepted: list[str] | None = None) -> None:
         """Run the shuffle's barrier from one rank (the barrier task's).
 
         Sends ``"inputs-done"`` (with ``npartitions`` and the ``accepted``
@@ -328,38 +305,30 @@ class Shuffler:
         Raises
         ------
         ShuffleError
-            Naming the ranks that did not confirm within ``timeout`` seconds,
-            or the lost peer.
+            Naming the ranks that did not confirm within :attr:`timeout`
+            seconds, or the lost peer.
         """
         info = msgpack.packb({"npartitions": npartitions, "accepted": accepted})
         self._barrier_running = True
         for dest in range(self.comm.nranks):
             self.comm.send_nowait(dest, (TAG, self.op_id, "inputs-done"), [info])
-        deadline = time.monotonic() + timeout
-        while not self._acks_event.wait(0.1):
-            self._raise_if_failed()
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.comm.nranks)) - self._acks)
-                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
-                raise ShuffleTimeoutError(
-                    f"shuffle op {self.op_id}: {who} did not confirm the barrier within {timeout:g} s",
-                    missing=tuple(missing),
-                )
-        self._raise_if_failed()
+        self._wait_acks(self.timeout)
         # Our own ack came after our insert_finished, so _owned is set by now.
         if not self._owned:
             self._finish()
 
     # -- extract ---------------------------------------------------------
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until this rank's output partitions are complete.
 
         Raises
         ------
         ShuffleError
             If the run failed (e.g. a peer was lost), or after ``timeout``
-            seconds, naming the ranks whose data is still missing.
+            seconds (by default :attr:`timeout`), naming the ranks whose data
+            is still missing.
         """
+        timeout = self.timeout if timeout is None else timeout
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         while not self._complete.wait(0.1):
@@ -379,7 +348,7 @@ class Shuffler:
         self._raise_if_failed()
         self.statistics["seconds_wait"] += time.perf_counter() - t0
 
-    def extract(self, partition_id: int, timeout: float) -> list[PackedData]:
+    def extract(self, partition_id: int) -> list[PackedData]:
         """Return the pieces of one output partition, ordered by input partition.
 
         Waits for completeness first (see :meth:`wait`). The partition's
@@ -393,20 +362,10 @@ class Shuffler:
         ShuffleError
             As :meth:`wait`, or if the partition is not owned by this rank.
         """
-        self.wait(timeout)
+        self.wait()
         t0 = time.perf_counter()
         with self._lock:
-            if partition_id not in self._owned:
-                raise ShuffleError(
-                    f"output partition {partition_id} of shuffle op {self.op_id} is not owned by "
-                    f"rank {self.comm.rank}"
-                )
-            if partition_id in self._extracted:
-                raise PartitionGoneError(
-                    f"output partition {partition_id} of shuffle op {self.op_id} was already extracted"
-                )
-            self._extracted.add(partition_id)
-            last = self._extracted == self._owned
+            last = self._take(partition_id)
         try:
             pieces = self.postbox.pop(partition_id, keep=self._keep)
         except SpillError as e:
@@ -427,53 +386,19 @@ class Shuffler:
         return 0 <= input_index < len(accepted) and accepted[input_index] == attempt
 
     # -- failure and cleanup ---------------------------------------------
-    def fail(self, error: BaseException) -> None:
-        """Fail the run on this rank: every wait raises ``error`` from now on.
-
-        The postbox's buffers and spill files are freed at once; chunks that
-        still arrive are dropped.
-        """
-        with self._lock:
-            if self._error is None:
-                self._error = error
+    def _wake(self) -> None:
         self._complete.set()
-        self._acks_event.set()
-        self.postbox.clear()
 
-    def _raise_if_failed(self) -> None:
-        err = self._error
-        if err is not None:
-            if isinstance(err, ShuffleError):
-                raise err
-            raise ShuffleError(f"shuffle op {self.op_id} failed on rank {self.comm.rank}: {err}") from err
+    def _free(self) -> None:
+        self.postbox.clear()
+        self._update_spill_statistics()
 
     def _update_spill_statistics(self) -> None:
         box = self.postbox
-        self.statistics["bytes_spilled"] = box.bytes_spilled
-        self.statistics["bytes_unspilled"] = box.bytes_unspilled
-        self.statistics["seconds_spill"] = box.seconds_spill
-        self.statistics["seconds_unspill"] = box.seconds_unspill
+        self.statistics["bytes_spilled_disk"] = box.bytes_spilled
+        self.statistics["bytes_unspilled_disk"] = box.bytes_unspilled
+        self.statistics["seconds_spill_disk"] = box.seconds_spill
+        self.statistics["seconds_unspill_disk"] = box.seconds_unspill
 
     def _finish(self) -> None:
         self.close()
-
-    @property
-    def inputs_done(self) -> bool:
-        """Whether :meth:`insert_finished` ran on this rank (no more inserts accepted)."""
-        return self._inputs_done
-
-    @property
-    def closed(self) -> bool:
-        """Whether the run's state on this rank was freed."""
-        return self._closed
-
-    def close(self) -> None:
-        """Free every buffer and spill file of the run on this rank. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self.postbox.clear()
-        self._update_spill_statistics()
-        if self._on_done is not None:
-            self._on_done(self.op_id)

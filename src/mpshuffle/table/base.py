@@ -6,14 +6,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from mpshuffle.errors import ShuffleError
 
 if TYPE_CHECKING:
-    import numpy as np
     import numpy.typing as npt
 
     from mpshuffle.memory.packed import PackedData
     from mpshuffle.memory.pool import HostPool
+    from mpshuffle.table.device import DeviceTable
 
 __all__ = ["AdapterRegistry", "FrameAdapter", "check_ids", "get_adapter", "register_adapter"]
 
@@ -150,6 +152,26 @@ class FrameAdapter(ABC):
     @abstractmethod
     def empty_like(self, meta: Any) -> Any:
         """Return a frame with 0 rows and ``meta``'s columns and dtypes."""
+
+    def as_ids(self, frame: Any, ids: Any) -> Any:
+        """Return a partitioner's result for ``frame`` as ``int64`` ids where ``frame``'s data is.
+
+        Host adapters give a NumPy array; device adapters an array on the
+        frame's device. Shape and range are checked by :func:`check_ids`.
+        """
+        return np.asarray(ids, dtype=np.int64)
+
+    def device_table(self, frame: Any) -> DeviceTable:
+        """Return ``frame`` as the :class:`~mpshuffle.table.device.DeviceTable` a device run takes.
+
+        Only adapters of device frames implement it (without copying the data).
+
+        Raises
+        ------
+        TypeError
+            For host frames, which do not take the device run path.
+        """
+        raise TypeError(f"{self.name} frames are host data; they do not take the device run path")
 
 
 def check_columns(actual: Sequence[Any], expected: Sequence[Any], what: str = "the data") -> None:

@@ -107,6 +107,10 @@ class CudfAdapter(FrameAdapter):
         """The frame's columns as a :class:`DeviceTable` (:func:`to_device_table`)."""
         return to_device_table(frame)
 
+    def as_ids(self, frame: Any, ids: Any) -> Any:
+        """A partitioner's ids as ``int64`` on the frame's GPU (a CuPy array)."""
+        return self._device.as_ids(to_device_table(frame), ids)
+
     def column_names(self, frame: Any) -> list[Any]:
         return list(frame.columns)
 

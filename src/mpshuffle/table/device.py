@@ -368,6 +368,10 @@ class DeviceAdapter(FrameAdapter):
         """``frame`` itself: the form the device run path takes (see the cudf adapter)."""
         return frame
 
+    def as_ids(self, frame: DeviceTable, ids: Any) -> Any:
+        """A partitioner's ids as ``int64`` on the table's device (CuPy or NumPy, as its columns)."""
+        return frame.xp.asarray(ids).astype(np.int64)
+
     def column_names(self, frame: DeviceTable) -> list[Any]:
         return frame.names
 

@@ -235,7 +235,7 @@ def spill_down(
         Makes the buffers' GPU current (for the device-to-host copies).
     count
         ``count(statistic, amount)`` adds to the run's statistics
-        (``bytes_spilled``, ``seconds_spill``, ``bytes_spilled_disk``,
+        (``bytes_spilled_host``, ``seconds_spill_host``, ``bytes_spilled_disk``,
         ``seconds_spill_disk``), also for what was written before an error.
 
     Raises
@@ -251,8 +251,8 @@ def spill_down(
                 if not over(resource, MemoryType.DEVICE):
                     break
                 moved += b.spill(resource)
-        count("bytes_spilled", moved)
-        count("seconds_spill", time.perf_counter() - t0)
+        count("bytes_spilled_host", moved)
+        count("seconds_spill_host", time.perf_counter() - t0)
     if not over(resource, MemoryType.HOST):
         return
     t0 = time.perf_counter()

@@ -60,12 +60,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
-from mpshuffle.errors import PartitionGoneError, ShuffleError, ShuffleTimeoutError, SpillError
+from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
 from mpshuffle.memory.device import batched_copy
 from mpshuffle.shuffler.device import buffers, exchange
@@ -77,7 +78,8 @@ from mpshuffle.shuffler.device.buffers import (
     Piece,
 )
 from mpshuffle.shuffler.device.state import DEVICE_TAG, DeviceState
-from mpshuffle.table import PackedData, owned_partitions
+from mpshuffle.shuffler.run import Run
+from mpshuffle.table import PackedData
 from mpshuffle.table.device import (
     DeviceAdapter,
     DeviceTable,
@@ -88,17 +90,17 @@ from mpshuffle.table.device import (
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
+    from mpshuffle.table import FrameAdapter
 
 __all__ = ["DeviceRun"]
 
 logger = logging.getLogger(__name__)
 
-class DeviceRun:
+class DeviceRun(Run):
     """One rank's state of one device shuffle run (see the module docstring).
 
-    Has the interface the worker context expects of a run (``insert``,
-    ``barrier``, ``extract``, ``receive``, ``fail``, ``close``,
-    ``statistics``, ``inputs_done``, ``closed``).
+    The lifecycle (barrier acknowledgements, owned partitions, fail, close,
+    statistics) is :class:`~mpshuffle.shuffler.run.Run`'s.
 
     Parameters
     ----------
@@ -116,24 +118,15 @@ class DeviceRun:
     key
         Distinguishes the generation's NCCL transport (the generation id).
     timeout
-        Seconds to wait for peers' headers and for the NCCL transport's unique id.
+        Seconds any wait of the run may take (the barrier, extract's wait
+        for the exchange, peers' headers, the NCCL transport's unique id,
+        this rank's turn).
     on_done
         Called once with ``op_id`` when the run's state is freed.
-
-    Attributes
-    ----------
-    statistics
-        ``bytes_inserted``, ``bytes_sent`` (to other ranks), ``bytes_received``
-        (from other ranks and itself), ``bytes_spilled`` (device to host),
-        ``bytes_spilled_disk`` (host to disk), ``bytes_unspilled_disk`` (read
-        back from disk), ``bytes_consolidated`` (output partitions gathered
-        into one piece each), ``rounds``, ``seconds_insert``,
-        ``seconds_headers``, ``seconds_exchange`` (NCCL rounds),
-        ``seconds_consolidate``, ``seconds_spill`` (device to
-        host), ``seconds_spill_disk``, ``seconds_unspill_disk``,
-        ``seconds_wait``, ``seconds_extract``; bytes are buffer sizes,
-        seconds wall time summed over calls.
     """
+
+    label = "device shuffle op"
+    ack_meaning = "finish the exchange"
 
     def __init__(
         self,
@@ -146,37 +139,15 @@ class DeviceRun:
         timeout: float,
         on_done: Callable[[int], None] | None = None,
     ) -> None:
-        self.comm = comm
-        self.op_id = op_id
-        self.resource = resource
+        super().__init__(comm, op_id, resource=resource, timeout=timeout, on_done=on_done)
         self.state = state
         self.key = key
-        self.timeout = timeout
-        self._on_done = on_done
-        self.npartitions: int | None = None
-        self.statistics: dict[str, float] = {
-            "bytes_inserted": 0, "bytes_sent": 0, "bytes_received": 0, "bytes_spilled": 0,
-            "rounds": 0, "seconds_insert": 0.0, "seconds_headers": 0.0,
-            "seconds_exchange": 0.0, "seconds_spill": 0.0, "seconds_wait": 0.0,
-            "seconds_extract": 0.0, "bytes_spilled_disk": 0, "bytes_unspilled_disk": 0,
-            "seconds_spill_disk": 0.0, "seconds_unspill_disk": 0.0,
-            "bytes_consolidated": 0, "seconds_consolidate": 0.0,
-        }
-        self._lock = threading.Lock()
         self._outbox: list[Outgoing] = []
         self._incoming: list[Incoming] = []
         self._outputs: dict[int, Output] = {}
-        self._owned: set[int] = set()
-        self._extracted: set[int] = set()
-        self._inputs_done = False
-        self._accepted: list[str] | None = None
         self._thread: threading.Thread | None = None
         self._reply_to: list[int] = []
         self._exchanged = threading.Event()
-        self._acks: dict[int, str] = {}
-        self._acks_event = threading.Event()
-        self._error: BaseException | None = None
-        self._closed = False
         self._adapter = DeviceAdapter()
         # Received pieces go to disk into one file per output partition (an
         # extract reads one file); outbox buffers whole, one file each, below it.
@@ -188,10 +159,18 @@ class DeviceRun:
         self._spill_lock = threading.Lock()
         self._freed = False
 
-    def _scope(self) -> Any:
+    def scope(self) -> AbstractContextManager[Any]:
+        """Make this rank's GPU current (a no-op without a GPU)."""
         return self.state.scope() if self.state is not None else contextlib.nullcontext()
 
     # -- insert (task thread) ------------------------------------------------
+    def insert_frame(
+        self, input_index: int, frame: Any, adapter: FrameAdapter, on: Sequence[Any],
+        npartitions: int, ids: Any = None, attempt: str = "",
+    ) -> None:
+        """:meth:`insert` ``frame`` as the device table ``adapter`` views it as (a cudf frame without a copy)."""
+        self.insert(input_index, adapter.device_table(frame), on, npartitions, ids, attempt=attempt)
+
     def insert(
         self, input_index: int, frame: DeviceTable, on: Sequence[Any], npartitions: int,
         ids: Any = None, attempt: str = "",
@@ -232,7 +211,7 @@ class DeviceRun:
         if self.state is not None:
             self.state.check_table(frame, f"input partition {input_index}", self.comm.rank)
         t0 = time.perf_counter()
-        with self._scope():
+        with self.scope():
             if ids is None:
                 ids = self._adapter.partition_ids(frame, list(on), npartitions)
             order, counts = partition_order(ids, npartitions, nranks)
@@ -279,12 +258,8 @@ class DeviceRun:
             ]
             entries += [(i.buffer, i.pieces) for i in self._incoming]
         buffers.spill_down(
-            self.resource, entries, self._scope, self._spill_in, self._spill_out, self._outbox_keys, self._count
+            self.resource, entries, self.scope, self._spill_in, self._spill_out, self._outbox_keys, self._count
         )
-
-    def _count(self, name: str, value: float) -> None:
-        with self._lock:
-            self.statistics[name] += value
 
     def _load(self, buffer: DeviceBuffer) -> None:
         """Read an outbox buffer that is on disk back into host memory, for its round.
@@ -312,15 +287,13 @@ class DeviceRun:
             self.statistics["seconds_unspill_disk"] += time.perf_counter() - t0
 
     # -- barrier -------------------------------------------------------------
-    def barrier(self, npartitions: int, timeout: float, accepted: list[str] | None = None) -> None:
+    def barrier(self, npartitions: int, accepted: list[str] | None = None) -> None:
         """Start the exchange on every rank and wait until all finished it.
 
         Parameters
         ----------
         npartitions
             Number of output partitions.
-        timeout
-            Seconds to wait for every rank's exchange.
         accepted
             Per input partition, the insert ``attempt`` whose result Dask
             kept; every rank leaves other attempts' tables out of its
@@ -330,7 +303,7 @@ class DeviceRun:
         ------
         ShuffleError
             With a rank's exchange error, or naming the ranks that did not
-            finish within ``timeout`` seconds.
+            finish within :attr:`timeout` seconds.
         """
         # A run that already failed here starts no exchange anywhere: peers
         # would otherwise wait in NCCL for this rank.
@@ -338,22 +311,7 @@ class DeviceRun:
         info = msgpack.packb({"npartitions": npartitions, "accepted": accepted})
         for dest in range(self.comm.nranks):
             self.comm.send_nowait(dest, (DEVICE_TAG, self.op_id, "inputs-done"), [info])
-        deadline = time.monotonic() + timeout
-        while not self._acks_event.wait(0.1):
-            self._raise_if_failed()
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.comm.nranks)) - set(self._acks))
-                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
-                raise ShuffleTimeoutError(
-                    f"device shuffle op {self.op_id}: {who} did not finish the exchange within {timeout:g} s"
-                )
-        self._raise_if_failed()
-        errors = {r: e for r, e in self._acks.items() if e}
-        if errors:
-            raise ShuffleError(
-                f"device shuffle op {self.op_id}: exchange failed on "
-                + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
-            )
+        self._wait_acks(self.timeout)
 
     # -- messages (progress thread) -----------------------------------------
     def receive(self, src: int, tag: Tag, frames: Frames) -> None:
@@ -364,11 +322,7 @@ class DeviceRun:
             with self._lock:
                 self._reply_to.append(src)
                 if self._thread is None and not self._closed:
-                    self._inputs_done = True
-                    self.npartitions = int(info["npartitions"])
-                    self._accepted = info.get("accepted")
-                    r, n = self.comm.rank, self.comm.nranks
-                    self._owned = set(owned_partitions(r, n, self.npartitions))
+                    self._mark_inputs_done(int(info["npartitions"]), info.get("accepted"))
                     self._thread = threading.Thread(
                         target=self._exchange_thread, daemon=True,
                         name=f"mpshuffle-device-exchange-op{self.op_id}",
@@ -379,10 +333,7 @@ class DeviceRun:
             if done:
                 self._ack(src)
         elif kind == "ack":
-            with self._lock:
-                self._acks[src] = bytes(frames[0]).decode() if frames else ""
-                if len(self._acks) == self.comm.nranks:
-                    self._acks_event.set()
+            self._record_ack(src, bytes(frames[0]).decode() if frames else "")
         elif kind == "turn" and self.state is not None:
             with self._lock:  # _free drops the turn after setting _freed, under this lock
                 if not self._freed:
@@ -518,7 +469,7 @@ class DeviceRun:
         except MemoryError:  # the budget had room, the device not (Dask's data shares it)
             logger.info("mpshuffle: op %d: no device memory to consolidate; extracts take the pieces", self.op_id)
             return
-        with self._scope():
+        with self.scope():
             batched_copy([i.buffer.data for i in incoming], outputs, plan.segments)
             if xp is not np:
                 xp.cuda.get_current_stream().synchronize()
@@ -535,7 +486,7 @@ class DeviceRun:
             self.statistics["seconds_consolidate"] += time.perf_counter() - t0
 
     # -- extract (task thread) ----------------------------------------------
-    def extract(self, partition_id: int, timeout: float) -> list[PackedData]:
+    def extract(self, partition_id: int) -> list[PackedData]:
         """Pieces of output partition ``partition_id``, ordered by input partition.
 
         Waits for this rank's exchange first. A consolidated partition is one
@@ -550,31 +501,21 @@ class DeviceRun:
         PartitionGoneError
             If the partition was already extracted.
         ShuffleError
-            If the run failed, the exchange did not end within ``timeout``
+            If the run failed, the exchange did not end within :attr:`timeout`
             seconds, or the partition is not owned here; a
             :class:`SpillError` if its spill file cannot be read (the run is
             failed then).
         """
         t0 = time.perf_counter()
-        if not self._exchanged.wait(timeout):
+        if not self._exchanged.wait(self.timeout):
             raise ShuffleTimeoutError(
                 f"device shuffle op {self.op_id} on rank {self.comm.rank}: the exchange did not "
-                f"finish within {timeout:g} s"
+                f"finish within {self.timeout:g} s"
             )
         self._raise_if_failed()
         t1 = time.perf_counter()
         with self._lock:
-            if partition_id not in self._owned:
-                raise ShuffleError(
-                    f"output partition {partition_id} of device shuffle op {self.op_id} is not "
-                    f"owned by rank {self.comm.rank}"
-                )
-            if partition_id in self._extracted:
-                raise PartitionGoneError(
-                    f"output partition {partition_id} of device shuffle op {self.op_id} was already extracted"
-                )
-            self._extracted.add(partition_id)
-            last = self._extracted == self._owned
+            last = self._take(partition_id)
             output = self._outputs.pop(partition_id, None)
             hits = [
                 (inc, i) for inc in self._incoming
@@ -642,21 +583,8 @@ class DeviceRun:
         return file
 
     # -- failure and cleanup -------------------------------------------------
-    def fail(self, error: BaseException) -> None:
-        """Fail the run on this rank: waits raise ``error``; buffers are freed."""
-        with self._lock:
-            if self._error is None:
-                self._error = error
-        self._acks_event.set()
+    def _wake(self) -> None:
         self._exchanged.set()
-        self._free()
-
-    def _raise_if_failed(self) -> None:
-        err = self._error
-        if err is not None:
-            if isinstance(err, ShuffleError):
-                raise err
-            raise ShuffleError(f"device shuffle op {self.op_id} failed on rank {self.comm.rank}: {err}") from err
 
     def _free(self) -> None:
         # The spill lock waits for a spill pass in flight, so none moves a freed buffer.
@@ -673,27 +601,9 @@ class DeviceRun:
         self._spill_out.remove()
         self._spill_in.remove()
 
-    @property
-    def inputs_done(self) -> bool:
-        """Whether the barrier's ``inputs-done`` reached this rank."""
-        return self._inputs_done
-
-    @property
-    def closed(self) -> bool:
-        """Whether the run's state on this rank was freed."""
-        return self._closed
-
-    def close(self) -> None:
-        """Free every buffer of the run on this rank (extracted views stay valid). Idempotent."""
+    def _after_close(self) -> None:
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
             thread = self._thread
-        self._free()
         if thread is not None and thread is not threading.current_thread():
             # It may still be sending its acks; a closed run leaves no thread behind.
             thread.join(timeout=10)
-        if self._on_done is not None:
-            self._on_done(self.op_id)
-
