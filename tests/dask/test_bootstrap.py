@@ -83,15 +83,17 @@ def _fail_in_guard(timeout: bool) -> str:
     """In a task: let the worker plugin's phase guard see a failed extract of a made-up run."""
     from distributed import get_worker
 
+    from mpshuffle.dask.runtime import RunInfo
     from mpshuffle.errors import ShuffleError, ShuffleTimeoutError
-    from mpshuffle.shuffler.context import RunInfo
 
     worker = get_worker()
     plugin = worker.plugins["mpshuffle"]
     ctx = get_worker_context()
     # A real run on the scheduler (no graph behind it), so that the guard's
     # question to the scheduler about it has an answer.
-    run = plugin.get_run(f"guard-test-{timeout}", 1, f"guard-extract-{timeout}", f"guard-barrier-{timeout}")
+    run = plugin.get_run(
+        f"guard-test-{timeout}", 1, extract_name=f"guard-extract-{timeout}", barrier_name=f"guard-barrier-{timeout}"
+    )
     assert isinstance(run, RunInfo) and run.generation == ctx.generation
     error = ShuffleTimeoutError("data did not arrive within 1 s") if timeout else ShuffleError("the run was released")
     try:

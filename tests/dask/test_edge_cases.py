@@ -326,8 +326,7 @@ def test_case04_32769_partitions_at_the_shuffler_level(kind: str) -> None:
     As Dask tasks these alone take minutes; here the shuffler and the adapter
     run directly. Keys are picked to hash to ids past 2**15 (and to the last id).
     """
-    from mpshuffle.config import resolve_options
-    from mpshuffle.shuffler.context import LocalRuntime
+    from mpshuffle.dask.runtime import LocalRuntime
 
     n = 32769
     targets = [0, 255, 256, 32767, 32768]
@@ -337,7 +336,7 @@ def test_case04_32769_partitions_at_the_shuffler_level(kind: str) -> None:
     if kind == "arrow":
         frames = [_arrow(f) for f in frames]
     adapter = get_adapter(frames[0])
-    runtime = LocalRuntime(resolve_options)
+    runtime = LocalRuntime()
     ctx = runtime.context
     try:
         shuffler = ctx.shuffler(1)

@@ -17,8 +17,8 @@ import pytest
 from conftest import worker_state
 from mpshuffle.config import resolve_options
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
+from mpshuffle.dask.runtime import LocalRuntime
 from mpshuffle.errors import ShuffleError, SpillError
-from mpshuffle.shuffler.context import LocalRuntime
 from mpshuffle.shuffler.run import STATISTICS
 
 NROWS = 60_000
@@ -61,7 +61,7 @@ def local_runtime(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lo
     with dask.config.set(
         {"scheduler": "sync", "mpshuffle.spill_host": 64 * 2**10, "mpshuffle.spill_dir": str(tmp_path)}
     ):
-        runtime = LocalRuntime(resolve_options)
+        runtime = LocalRuntime()
         monkeypatch.setattr(graph, "_LOCAL", runtime)
         yield runtime
         runtime.context.close()

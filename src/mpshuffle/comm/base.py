@@ -78,6 +78,8 @@ class Communicator(abc.ABC):
         self._accepting = True
         self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # How messages name each rank's process; its address unless set_peer_names gave better ones.
+        self._peer_names: list[str] | None = None
 
     # -- to be provided by a backend -------------------------------------
     @property
@@ -95,6 +97,24 @@ class Communicator(abc.ABC):
 
         Backends stop their progress thread with :meth:`_stop_progress`.
         """
+
+    def set_peer_names(self, names: Sequence[str]) -> None:
+        """Name each rank's process in messages (e.g. ``"worker tcp://..."``) instead of its address.
+
+        Raises
+        ------
+        ValueError
+            If there is not one name per rank.
+        """
+        if len(names) != self.nranks:
+            raise ValueError(f"{len(names)} names for {self.nranks} ranks")
+        self._peer_names = list(names)
+
+    def describe(self, rank: int) -> str:
+        """``"rank <r> (<name>)"``: how errors name rank ``rank`` (see :meth:`set_peer_names`)."""
+        if self._peer_names is not None:
+            return f"rank {rank} ({self._peer_names[rank]})"
+        return f"rank {rank} ({self.addresses[rank] or 'address unknown'})"
 
     # -- receiving -------------------------------------------------------
     def register_handler(self, key: Any, handler: Handler) -> None:
@@ -142,7 +162,7 @@ class Communicator(abc.ABC):
             if src == rank:
                 for fut in futs:
                     if not fut.done():
-                        fut.set_exception(CommError(f"rank {rank} ({self.addresses[rank]}) lost: {reason}"))
+                        fut.set_exception(CommError(f"{self.describe(rank)} lost: {reason}"))
         for cb in self._lost_callbacks:
             try:
                 cb(rank, reason)
@@ -174,15 +194,15 @@ class Communicator(abc.ABC):
         box = self._mailbox.get((src, tag))
         if not box:
             if src in self._lost:
-                raise CommError(f"rank {src} ({self.addresses[src]}) lost: {self._lost[src]}")
+                raise CommError(f"{self.describe(src)} lost: {self._lost[src]}")
             fut = self.loop.create_future()
             self._waiters[(src, tag)].append(fut)
             try:
                 await asyncio.wait_for(fut, timeout)
             except TimeoutError:
                 raise CommTimeoutError(
-                    f"rank {self.rank} waited {timeout:g} s for message {tag!r} from rank "
-                    f"{src} ({self.addresses[src]}), which did not arrive",
+                    f"rank {self.rank} waited {timeout:g} s for message {tag!r} from "
+                    f"{self.describe(src)}, which did not arrive",
                     missing=(src,),
                 ) from None
             box = self._mailbox[(src, tag)]
@@ -239,7 +259,7 @@ class Communicator(abc.ABC):
         if not 0 <= dest < self.nranks:
             raise CommError(f"destination rank {dest} is not in [0, {self.nranks})")
         if dest in self._lost:
-            raise CommError(f"rank {dest} ({self.addresses[dest]}) lost: {self._lost[dest]}")
+            raise CommError(f"{self.describe(dest)} lost: {self._lost[dest]}")
         if dest == self.rank:
             self._deliver(self.rank, tag, frames)
             return
@@ -299,7 +319,7 @@ class Communicator(abc.ABC):
             raise CommTimeoutError(self._missing_message(name, missing, timeout), missing)
 
     def _missing_message(self, name: Any, missing: tuple[int, ...], timeout: float) -> str:
-        who = ", ".join(f"rank {r} ({self.addresses[r] or 'local'})" for r in missing)
+        who = ", ".join(self.describe(r) for r in missing)
         return f"barrier {name!r}: {who} did not arrive within {timeout:g} s"
 
     # -- running coroutines on the progress thread -----------------------

@@ -301,7 +301,7 @@ class TcpCommunicator(Communicator):
                 await comm.write(hello)
                 welcome = await asyncio.wait_for(comm.read(), timeout)
             except (OSError, CommClosedError, TimeoutError) as e:
-                raise CommError(f"rank {self.rank} could not connect to rank {dest} ({address}): {e!r}") from e
+                raise CommError(f"rank {self.rank} could not connect to {self.describe(dest)}: {e!r}") from e
             finally:
                 if probe is not None:
                     _shm.remove_file(probe[0])
@@ -336,7 +336,7 @@ class TcpCommunicator(Communicator):
                     if not fut.done():
                         fut.set_result(None)
         except Exception as e:  # noqa: BLE001 - a closed or broken connection: fail what waits on it
-            self._fail_acks(dest, CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e!r}"))
+            self._fail_acks(dest, CommError(f"rank {self.rank} lost {self.describe(dest)}: {e!r}"))
 
     def _fail_acks(self, dest: int, error: BaseException) -> None:
         pending = self._acks.pop(dest, None)
@@ -498,7 +498,7 @@ class TcpCommunicator(Communicator):
             except (CommClosedError, StreamClosedError, OSError) as e:
                 self._out.pop(dest, None)
                 self._peer_lost(dest, f"sending to {self.addresses[dest]} failed ({e})")
-                raise CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e}") from e
+                raise CommError(f"rank {self.rank} lost {self.describe(dest)}: {e}") from e
         self.bytes_sent += nbytes
 
     @staticmethod
@@ -533,7 +533,7 @@ class TcpCommunicator(Communicator):
                 self._drop_file(message.path)
                 self._out.pop(dest, None)
                 self._peer_lost(dest, f"sending to {self.addresses[dest]} failed ({e})")
-                raise CommError(f"rank {self.rank} lost rank {dest} ({self.addresses[dest]}): {e}") from e
+                raise CommError(f"rank {self.rank} lost {self.describe(dest)}: {e}") from e
             # Appended under the lock, so acknowledgements match in write order.
             self._acks[dest].append((ack, message.path))
         await ack

@@ -20,23 +20,23 @@ import dataclasses
 import multiprocessing
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from dask.base import tokenize
 
-from mpshuffle.config import resolve_options
+from mpshuffle.dask.runtime import LocalRuntime, RunInfo, Runtime
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
-from mpshuffle.shuffler.context import LocalRuntime, RunInfo, WorkerContext
+from mpshuffle.shuffler.context import WorkerContext
 from mpshuffle.shuffler.device import is_device_meta
-from mpshuffle.table import FrameAdapter, PandasAdapter, get_adapter, partition_owner
+from mpshuffle.table import FrameAdapter, PandasAdapter, get_adapter
 from mpshuffle.table.base import check_columns, check_ids
 from mpshuffle.table.device import DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 
-_LOCAL = LocalRuntime(resolve_options)
+_LOCAL = LocalRuntime()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,16 @@ def shuffle_graph(
 # -- the tasks -----------------------------------------------------------
 
 
-def _runtime() -> tuple[Any, bool]:
+@dataclasses.dataclass(frozen=True)
+class Inserted:
+    """What an insert task returns to the barrier: the run it inserted into, and its attempt id."""
+
+    op_id: int
+    generation: str
+    attempt: str
+
+
+def _runtime() -> Runtime:
     """The worker plugin on a distributed worker, else the local runtime."""
     try:
         from distributed import get_worker
@@ -215,52 +224,40 @@ def _runtime() -> tuple[Any, bool]:
                 "mpshuffle cannot run on Dask's multiprocessing scheduler: its tasks share no "
                 "state. Use a distributed Client, or the 'threads' or 'sync' scheduler."
             )
-        return _LOCAL, False
-    from mpshuffle.dask.worker import PLUGIN_NAME
+        return _LOCAL
+    from mpshuffle.dask.worker import PLUGIN_NAME, ShuffleWorkerPlugin
 
-    plugin = worker.plugins.get(PLUGIN_NAME)
-    if plugin is None:
+    if PLUGIN_NAME not in worker.plugins:
         from distributed import get_client
 
         from mpshuffle.dask.bootstrap import register_plugins
 
         register_plugins(get_client())
-        plugin = worker.plugins[PLUGIN_NAME]
-    return plugin, True
+    plugin = cast(ShuffleWorkerPlugin, worker.plugins[PLUGIN_NAME])
+    return plugin  # mypy checks here that the plugin implements Runtime
 
 
-def _bind(spec: ShuffleSpec, inserting: bool = False) -> tuple[RunInfo, WorkerContext, Any]:
-    runtime, distributed_ = _runtime()
-    if distributed_:
-        run = runtime.get_run(spec.token, spec.npartitions, spec.extract_name, spec.barrier_name)
-        return run, runtime.context_for(run), runtime
-    run = runtime.get_run(spec.token, spec.npartitions, inserting=inserting)
-    return run, runtime.context, runtime
+def _bind(spec: ShuffleSpec, inserting: bool = False) -> tuple[RunInfo, WorkerContext, Runtime]:
+    runtime = _runtime()
+    run = runtime.get_run(
+        spec.token, spec.npartitions, extract_name=spec.extract_name, barrier_name=spec.barrier_name,
+        inserting=inserting,
+    )
+    return run, runtime.context_for(run), runtime
 
 
 def _where(ctx: WorkerContext) -> str:
     return f"rank {ctx.rank} ({ctx.workers[ctx.rank] if ctx.workers else ''})"
 
 
-def _guard(runtime: Any, name: str, run: RunInfo | None, ctx: WorkerContext) -> Any:
-    """The phase's error context; on a worker, the plugin's, which reschedules restarted runs."""
-    guard = getattr(runtime, "guard", None)
-    if guard is not None and run is not None:
-        return guard(name, run, ctx)
-    return phase(name, _where(ctx))
-
-
-def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
-    """Task: split input partition ``input_index`` and send its pieces.
-
-    Returns a small record of the run (``op_id``, ``generation``) for the barrier.
-    """
+def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> Inserted:
+    """Task: split input partition ``input_index`` and send its pieces (or keep them, on a device run)."""
     # Names this execution: if Dask abandons it (its run restarted while it
     # ran), the barrier accepts another attempt's data for this partition.
     attempt = uuid.uuid4().hex[:16]
     with phase("bootstrap"):
         run, ctx, runtime = _bind(spec, inserting=True)
-    with _guard(runtime, "insert", run, ctx):
+    with runtime.guard("insert", run, ctx):
         adapter = get_adapter(frame)
         if not adapter.matches(spec.meta):
             raise ShuffleError(
@@ -276,7 +273,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> dict[str, Any]:
         ctx.shuffler(run.op_id, device=spec.device).insert_frame(
             input_index, frame, adapter, spec.on, spec.npartitions, ids, attempt=attempt
         )
-    return {"op_id": run.op_id, "generation": run.generation, "attempt": attempt}
+    return Inserted(run.op_id, run.generation, attempt)
 
 
 def _with_index(adapter: FrameAdapter, spec: ShuffleSpec) -> FrameAdapter:
@@ -296,50 +293,39 @@ def _partitioner_ids(adapter: FrameAdapter, frame: Any, spec: ShuffleSpec) -> An
     return ids
 
 
-def barrier(spec: ShuffleSpec, *inserted: dict[str, Any]) -> dict[str, Any]:
-    """Task: tell every rank that all inserts are done, and wait for them to confirm."""
-    ops = {(r["op_id"], r["generation"]) for r in inserted}
+def barrier(spec: ShuffleSpec, *inserted: Inserted) -> RunInfo:
+    """Task: tell every rank that all inserts are done, and wait for them to confirm.
+
+    Returns the run, for the extract tasks.
+    """
+    ops = {(r.op_id, r.generation) for r in inserted}
     with phase("bootstrap"):
         run, ctx, runtime = _bind(spec)
     if ops and ops != {(run.op_id, run.generation)}:
         # An insert that was running when its run restarted finished with the
         # old run's result: its data went to the old run, so compute again.
         reason = f"its inserts ran in different runs {sorted(ops)}"
-        if hasattr(runtime, "restart_run"):
-            runtime.restart_run(run, reason)
+        runtime.restart_run(run, reason)
         raise ShuffleError(f"barrier phase: shuffle {spec.token}: {reason}")
-    with _guard(runtime, "barrier", run, ctx):
-        accepted = [r.get("attempt", "") for r in inserted]
+    with runtime.guard("barrier", run, ctx):
+        accepted = [r.attempt for r in inserted]
         ctx.shuffler(run.op_id, device=spec.device).barrier(spec.npartitions, accepted=accepted)
-    return {"op_id": run.op_id, "generation": run.generation, "workers": run.workers}
+    return run
 
 
-def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec) -> Any:
-    """Task: wait for output partition ``partition_id`` and return it as a frame."""
-    runtime, distributed_ = _runtime()
-    op_id = barrier_result["op_id"]
-    run = None
-    if distributed_:
-        workers = tuple(barrier_result["workers"])
-        owner = workers[partition_owner(partition_id, len(workers))]
-        if runtime.worker.address != owner:
-            # Pinned by the scheduler plugin; a task that lands elsewhere moves.
-            from distributed import Reschedule
-
-            raise Reschedule()
-        run = RunInfo(spec.token, op_id, barrier_result["generation"], workers, spec.npartitions)
-        with phase("extract"):
-            ctx = runtime.context_for(run)
-    else:
-        ctx = runtime.context
+def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec) -> Any:
+    """Task: wait for output partition ``partition_id`` of ``run`` and return it as a frame."""
+    runtime = _runtime()
+    # Pinned by the scheduler plugin; a task that lands elsewhere moves.
+    runtime.check_owner(run, partition_id)
+    with phase("extract"):
+        ctx = runtime.context_for(run)
     adapter = _with_index(get_adapter(spec.meta), spec)
     try:
-        with _guard(runtime, "extract", run, ctx):
-            shuffler = ctx.shuffler(op_id, device=spec.device)
+        with runtime.guard("extract", run, ctx):
+            shuffler = ctx.shuffler(run.op_id, device=spec.device)
             pieces = shuffler.extract(partition_id)
     except PartitionGoneError as e:
-        if run is None:
-            raise
         # Dask computes this partition again while the barrier's result is
         # still in memory (its output was released or lost): this rank
         # handed the data out already, so the whole run is computed again.
@@ -349,6 +335,5 @@ def extract(barrier_result: dict[str, Any], partition_id: int, spec: ShuffleSpec
     # not a wait that timed out, so it must not retire the generation.
     with phase("extract", _where(ctx)), shuffler.scope():
         out = adapter.unpack(pieces, spec.meta)
-    if not distributed_ and op_id not in ctx.shufflers:
-        runtime.end_run(spec.token)
+    runtime.extracted(run, ctx)
     return out

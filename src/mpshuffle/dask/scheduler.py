@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import re
 import secrets
 import time
 import uuid
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from mpshuffle.config import Options, resolve_options
+from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
 from mpshuffle.errors import BootstrapError, OptionError
 from mpshuffle.table import partition_owner
 
@@ -211,12 +211,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             return {**gen.describe(), "bootstrapped": False}
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)
         self._root_events[new.id] = asyncio.Event()
-        spec = {
-            "generation": new.id,
-            "workers": list(workers),
-            "token": new.token,
-            "options": dataclasses.asdict(opts),
-        }
+        spec = BootstrapSpec(new.id, workers, new.token, dataclasses.asdict(opts))
         # Registered before the workers hear of it: a failed bootstrap is
         # closed on them like any other generation.
         self.generations[new.id] = new
@@ -225,13 +220,11 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         finally:
             self._root_events.pop(new.id, None)
             self._roots.pop(new.id, None)
-        failed = {w: r for w, r in results.items() if isinstance(r, BaseException)}
+        failed = {w: r for w, r in results.items() if isinstance(r, str)}
         if failed:
             new.stale = True
             self._maybe_close(new)
-            detail = "; ".join(
-                f"rank {workers.index(w)} (worker {w}): {_describe_error(e)}" for w, e in sorted(failed.items())
-            )
+            detail = "; ".join(f"rank {workers.index(w)} (worker {w}): {e}" for w, e in sorted(failed.items()))
             raise BootstrapError(f"bootstrap of generation {new.id} on {len(workers)} workers failed: {detail}")
         old, self.generation = self.generation, new
         self._options = opts
@@ -242,25 +235,28 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         logger.info("mpshuffle: generation %s bootstrapped on %d workers", new.id, len(workers))
         return {**new.describe(), "bootstrapped": True}
 
-    async def _call_each(self, workers: tuple[str, ...], spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Call ``mpshuffle_bootstrap`` on every worker; errors and timeouts per worker."""
+    async def _call_each(
+        self, workers: tuple[str, ...], spec: BootstrapSpec, timeout: float
+    ) -> dict[str, Joined | str]:
+        """Call ``mpshuffle_bootstrap`` on every worker: per worker its answer, or an error text."""
         assert self.scheduler is not None
         scheduler = self.scheduler
 
-        async def one(address: str) -> Any:
-            return await scheduler.rpc(address).mpshuffle_bootstrap(spec=spec)
+        async def one(address: str) -> Joined:
+            return Joined.from_msg(await scheduler.rpc(address).mpshuffle_bootstrap(spec=spec.to_msg()))
 
         tasks = {w: asyncio.ensure_future(one(w)) for w in workers}
         await asyncio.wait(tasks.values(), timeout=timeout)
-        results: dict[str, Any] = {}
+        results: dict[str, Joined | str] = {}
         for w, t in tasks.items():
             if not t.done():
                 t.cancel()
-                results[w] = TimeoutError(f"did not finish bootstrapping within {timeout:g} s")
-            elif t.exception() is not None:
-                results[w] = t.exception()
+                results[w] = f"TimeoutError: did not finish bootstrapping within {timeout:g} s"
+            elif (e := t.exception()) is not None:  # the call itself failed (the worker went away)
+                results[w] = f"{type(e).__name__}: {e}"
             else:
-                results[w] = t.result()
+                joined = t.result()
+                results[w] = joined.error if joined.error is not None else joined
         return results
 
     def _maybe_close(self, gen: _Generation) -> None:
@@ -294,7 +290,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
 
     # -- runs ------------------------------------------------------------
     async def get_run(self, token: str, npartitions: int, extract_name: str, barrier_name: str) -> dict[str, Any]:
-        """Handler: the run of graph ``token``, created (and pinned) on first call.
+        """Handler: the run of graph ``token`` (a :class:`RunBinding` message), created (and pinned) on first call.
 
         Binds the graph to the current generation (bootstrapping a new one if
         the workers changed) under a fresh ``op_id``; restricts the graph's
@@ -306,12 +302,12 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             run = self.runs.get(token)
             if run is not None:
                 if run.error:
-                    return {"error": run.error}
+                    return RunBinding(-1, "", (), error=run.error).to_msg()
                 return self._describe(run)
             try:
                 await self._ensure_generation(None)
             except BootstrapError as e:
-                return {"error": f"bootstrap phase: {e}"}
+                return RunBinding(-1, "", (), error=f"bootstrap phase: {e}").to_msg()
             gen = self.generation
             assert gen is not None
             tasks = self.scheduler.tasks
@@ -335,21 +331,21 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
 
     @staticmethod
     def _describe(run: _Run) -> dict[str, Any]:
-        return {"op_id": run.op_id, "generation": run.generation.id, "workers": list(run.generation.workers)}
+        return RunBinding(run.op_id, run.generation.id, run.generation.workers).to_msg()
 
     async def run_lost(self, op_id: int, timeout: float) -> dict[str, Any]:
         """Handler: a task of run ``op_id`` saw a peer go; wait for the scheduler's verdict.
 
-        Returns ``{"restart": True}`` once the run was restarted (the task
-        should be rescheduled), or ``{"restart": False, "alive": [...]}`` if
-        the run was not restarted within ``timeout`` seconds (the lost ranks'
+        Returns a :class:`Verdict` message: ``restart`` once the run was
+        restarted (the task should be rescheduled), or not, with the run's
+        workers still ``alive``, if the run was not restarted within ``timeout`` seconds (the lost ranks'
         workers are still in the cluster, so only their communicators broke).
         Then the run fails on every rank and its generation is retired, so
         that the next shuffle bootstraps a new one.
         """
         run = self._by_op.get(op_id)
         if run is None:
-            return {"restart": False, "alive": []}
+            return Verdict(restart=False).to_msg()
         try:
             await asyncio.wait_for(run.ended.wait(), timeout)
         except TimeoutError:
@@ -366,7 +362,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 self._broadcast(
                     gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
                 )
-        return {"restart": run.restarted, "alive": alive}
+        return Verdict(run.restarted, tuple(alive)).to_msg()
 
     async def restart_run(self, op_id: int, reason: str) -> dict[str, Any]:
         """Handler: a task of run ``op_id`` cannot go on with that run; compute it again.
@@ -379,13 +375,13 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         was released or lost while the barrier's result stayed in memory.
         Either way the whole run is restarted.
 
-        Returns ``{"restarted": bool}``.
+        Returns a :class:`Restarted` message.
         """
         run = self._by_op.get(op_id)
         if run is None or run.error is not None or self.runs.get(run.token) is not run:
-            return {"restarted": False}
+            return Restarted(False).to_msg()
         self._restart(run, f"shuffle op {op_id}: {reason}", f"mpshuffle-restart-{op_id}-{time.time()}")
-        return {"restarted": run.restarted}
+        return Restarted(run.restarted).to_msg()
 
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), **kwargs: Any) -> None:
         """Pin the tasks of live runs that entered the scheduler after their run was made.
@@ -523,14 +519,3 @@ def _pins(
         if other_wanted(key):
             pins[key] = set(workers)
     return pins
-
-
-_WRAPPED = re.compile(r"^(\w+)\((['\"])(.*)\2\)$", re.DOTALL)
-
-
-def _describe_error(e: BaseException) -> str:
-    # An error that could not travel back from a worker arrives as Exception("Name('message')").
-    m = _WRAPPED.match(str(e)) if type(e) is Exception else None
-    if m:
-        return f"{m.group(1)}: {m.group(3)}"
-    return f"{type(e).__name__}: {e}"

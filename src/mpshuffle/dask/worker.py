@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,8 +15,11 @@ from distributed.utils import sync
 
 from mpshuffle.comm.tcp import TcpCommunicator
 from mpshuffle.config import Options
+from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
+from mpshuffle.dask.runtime import RunInfo
 from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
-from mpshuffle.shuffler.context import RunInfo, WorkerContext
+from mpshuffle.shuffler.context import WorkerContext
+from mpshuffle.table import partition_owner
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -42,7 +44,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     the worker's event loop (closing a communicator runs in a thread):
 
     ``mpshuffle_bootstrap(spec)``
-        Become rank ``spec["workers"].index(address)`` of a new generation:
+        Become this worker's rank of a new generation (a :class:`BootstrapSpec`):
         listen, learn the root's address from the scheduler plugin (or
         publish it, on rank 0), connect, and meet the others at the barrier.
         Contexts of older generations stay open for the runs still using
@@ -50,7 +52,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     ``mpshuffle_close_generation(generation)``
         Close a generation's context: its progress thread, sockets, buffers.
     ``mpshuffle_end_run(op_id, token)``
-        Free a run's state (it finished or was released).
+        Free a run's state (it finished or was released): :meth:`release_run`.
     ``mpshuffle_fail_run(op_id, token, reason)``
         Fail a run (a peer left; the scheduler restarts it) and free its state.
 
@@ -85,7 +87,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         self._failed: dict[int, str] = {}
         worker.handlers["mpshuffle_bootstrap"] = self.bootstrap
         worker.handlers["mpshuffle_close_generation"] = self.close_generation
-        worker.handlers["mpshuffle_end_run"] = self.end_run
+        worker.handlers["mpshuffle_end_run"] = self.release_run
         worker.handlers["mpshuffle_fail_run"] = self.fail_run
 
     async def teardown(self, worker: Worker) -> None:
@@ -98,33 +100,40 @@ class ShuffleWorkerPlugin(WorkerPlugin):
 
     # -- handlers (on the worker's event loop) ---------------------------
     async def bootstrap(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Join generation ``spec`` as this worker's rank (RPC handler).
+        """Join the generation of a :class:`BootstrapSpec` message as this worker's rank (RPC handler).
 
-        Raises
-        ------
-        BootstrapError
-            If this worker is not in ``spec``, or some rank did not arrive
-            within the bootstrap timeout (names the ranks and their workers).
+        Returns a :class:`Joined` message: this rank and its address, or the
+        error (a :class:`BootstrapError` if this worker is not in the
+        generation, or some rank did not arrive within the bootstrap timeout,
+        naming those ranks and their workers), so the scheduler reads it from
+        a field.
         """
+        try:
+            joined = await self._join(BootstrapSpec.from_msg(spec))
+        except Exception as e:  # noqa: BLE001 -- every failure goes back to the scheduler, named
+            joined = Joined(-1, "", error=f"{type(e).__name__}: {e}")
+        return joined.to_msg()
+
+    async def _join(self, spec: BootstrapSpec) -> Joined:
         assert self.worker is not None and self._bootstrap_lock is not None
-        generation = spec["generation"]
+        generation = spec.generation
         async with self._bootstrap_lock:
             ctx = self.contexts.get(generation)
             if ctx is not None:
-                return {"rank": ctx.rank, "address": ctx.comm.addresses[ctx.rank]}
-            workers = tuple(spec["workers"])
+                return Joined(ctx.rank, ctx.comm.addresses[ctx.rank])
+            workers = spec.workers
             address = self.worker.address
             if address not in workers:
                 raise BootstrapError(f"worker {address} is not in generation {generation}")
             rank = workers.index(address)
-            options = Options(**spec["options"])
+            options = Options(**spec.options)
             scheduler = self.worker.scheduler
             timeout = options.bootstrap_timeout
             comm = await TcpCommunicator.start(
                 rank,
                 len(workers),
                 generation=generation,
-                token=spec["token"],
+                token=spec.token,
                 listen_address=_listen_address(address),
                 security=self.worker.security,
                 shared_memory=options.shared_memory,
@@ -154,7 +163,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 workers=workers,
             )
             self.current = generation
-            return {"rank": rank, "address": comm.addresses[rank]}
+            return Joined(rank, comm.addresses[rank])
 
     async def close_generation(self, generation: str) -> None:
         """Close generation ``generation`` on this worker (RPC handler); unknown ids are ignored."""
@@ -168,8 +177,8 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         if ctx is not None:
             await asyncio.to_thread(ctx.close)
 
-    def end_run(self, op_id: int, token: str) -> None:
-        """Free run ``op_id`` of graph ``token`` on this worker (RPC handler)."""
+    def release_run(self, op_id: int, token: str) -> None:
+        """Free run ``op_id`` of graph ``token`` on this worker: it finished or was released (RPC handler)."""
         ctx = self._forget_run(op_id, token)
         if ctx is not None:
             ctx.end_run(op_id)
@@ -192,11 +201,14 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         return self.contexts.get(run.generation) if run is not None else self.context
 
     # -- from task threads -------------------------------------------------
-    def get_run(self, token: str, npartitions: int, extract_name: str, barrier_name: str) -> RunInfo:
+    def get_run(
+        self, token: str, npartitions: int, *, extract_name: str, barrier_name: str, inserting: bool = False
+    ) -> RunInfo:
         """Bind graph ``token`` to a run (asking the scheduler plugin once per run).
 
         Called from task threads; waits on the worker's event loop without
-        blocking it.
+        blocking it. ``inserting`` is not needed here: the scheduler plugin
+        makes a new run when a computation of the graph ended.
 
         Raises
         ------
@@ -207,23 +219,17 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         with self._runs_lock:
             run = self.runs.get(token)
         if run is None:
-            resp = sync(
+            binding = RunBinding.from_msg(sync(
                 self.worker.loop,
                 self.worker.scheduler.mpshuffle_get_run,
                 token=token,
                 npartitions=npartitions,
                 extract_name=extract_name,
                 barrier_name=barrier_name,
-            )
-            if resp.get("error"):
-                raise ShuffleError(resp["error"])
-            run = RunInfo(
-                token=token,
-                op_id=resp["op_id"],
-                generation=resp["generation"],
-                workers=tuple(resp["workers"]),
-                npartitions=npartitions,
-            )
+            ))
+            if binding.error is not None:
+                raise ShuffleError(binding.error)
+            run = RunInfo(token, binding.op_id, binding.generation, binding.workers, npartitions)
             with self._runs_lock:
                 run = self.runs.setdefault(token, run)
         return run
@@ -253,6 +259,21 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             f"of shuffle op {run.op_id} (the run failed or was restarted)"
         )
 
+    def check_owner(self, run: RunInfo, partition_id: int) -> None:
+        """Raise :class:`distributed.Reschedule` unless this worker holds the rank owning ``partition_id``.
+
+        Extract tasks are pinned by the scheduler plugin; one that still lands
+        elsewhere moves.
+        """
+        assert self.worker is not None
+        if self.worker.address != run.workers[partition_owner(partition_id, len(run.workers))]:
+            from distributed import Reschedule
+
+            raise Reschedule()
+
+    def extracted(self, run: RunInfo, ctx: WorkerContext) -> None:
+        """Nothing to do: the scheduler plugin ends the run when its barrier task is released."""
+
     @contextlib.contextmanager
     def guard(self, name: str, run: RunInfo, ctx: WorkerContext) -> Iterator[None]:
         """Run one phase of a task of ``run``: restart-aware, with clear errors.
@@ -270,7 +291,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         except MPShuffleError as e:
             if ctx.comm.lost or run.op_id in self._failed:
                 verdict = self._verdict(run, ctx.options.timeout)
-                if verdict.get("restart"):
+                if verdict.restart:
                     if name == "insert":
                         # The restart released this task; Dask may still take
                         # this execution's result for the resumed task, and it
@@ -286,7 +307,6 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 # answering: retire the generation, whose next run could hang the
                 # same way. Other errors (bad data, a released run) leave it alone.
                 self._verdict(run, 0)
-            e.args = (_name_workers(str(e), ctx), *e.args[1:])
             raise
 
     def restart_run(self, run: RunInfo, reason: str) -> None:
@@ -305,41 +325,28 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             If it was not (naming ``reason``).
         """
         assert self.worker is not None
-        resp = sync(self.worker.loop, self.worker.scheduler.mpshuffle_restart_run, op_id=run.op_id, reason=reason)
-        if resp.get("restarted"):
+        reply = Restarted.from_msg(
+            sync(self.worker.loop, self.worker.scheduler.mpshuffle_restart_run, op_id=run.op_id, reason=reason)
+        )
+        if reply.restarted:
             from distributed import Reschedule
 
             raise Reschedule()
         raise ShuffleError(f"shuffle op {run.op_id}: {reason}, and it could not be restarted")
 
-    def _verdict(self, run: RunInfo, timeout: float) -> dict[str, Any]:
+    def _verdict(self, run: RunInfo, timeout: float) -> Verdict:
         assert self.worker is not None
         try:
-            return sync(
+            return Verdict.from_msg(sync(
                 self.worker.loop,
                 self.worker.scheduler.mpshuffle_run_lost,
                 op_id=run.op_id,
                 timeout=timeout,
                 callback_timeout=timeout + _VERDICT_GRACE,
-            )
+            ))
         except Exception:
             logger.debug("mpshuffle: no verdict from the scheduler on op %d", run.op_id, exc_info=True)
-            return {}
-
-
-_RANK = re.compile(r"rank (\d+) \((?!worker )([^)]*)\)")
-
-
-def _name_workers(message: str, ctx: WorkerContext) -> str:
-    """Name the worker of every ``rank N (address)`` in an error message."""
-
-    def sub(m: re.Match[str]) -> str:
-        r = int(m.group(1))
-        if r < len(ctx.workers):
-            return f"rank {r} (worker {ctx.workers[r]})"
-        return m.group(0)
-
-    return _RANK.sub(sub, message)
+            return Verdict(restart=False)
 
 
 def _listen_address(worker_address: str) -> str:

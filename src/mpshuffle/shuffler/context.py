@@ -1,10 +1,8 @@
-"""Per-process shuffle state: the worker context and the single-process runtime."""
+"""What one rank of a generation holds: its communicator, budgets, GPU and runs."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import itertools
 import logging
 import threading
 from typing import TYPE_CHECKING
@@ -19,12 +17,10 @@ from mpshuffle.shuffler.host import TAG, Shuffler
 from mpshuffle.shuffler.run import Run
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from mpshuffle.comm import Communicator, Frames, Tag
     from mpshuffle.options import Options
 
-__all__ = ["LocalRuntime", "RunInfo", "WorkerContext"]
+__all__ = ["WorkerContext"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,35 +31,13 @@ _HISTORY = 64
 _POOL_DEFAULT = 2**30
 
 
-@dataclasses.dataclass(frozen=True)
-class RunInfo:
-    """One execution of a shuffle graph, bound to a generation when it starts.
-
-    Attributes
-    ----------
-    token
-        Token of the shuffle graph (the same for every computation of it).
-    op_id
-        Id of this run, unique within the scheduler (or process).
-    generation
-        Id of the generation the run uses.
-    workers
-        Worker address of every rank of that generation, in rank order.
-    npartitions
-        Number of output partitions.
-    """
-
-    token: str
-    op_id: int
-    generation: str
-    workers: tuple[str, ...]
-    npartitions: int
-
-
 class WorkerContext:
     """What one rank of a generation holds: its communicator and shufflers.
 
-    Returned on a worker by :func:`mpshuffle.dask.get_worker_context`.
+    Made by whoever drives the engine: the Dask worker plugin per
+    generation (returned on a worker by :func:`mpshuffle.dask.get_worker_context`),
+    the single-process runtime, a test. It creates each run on first use
+    (:meth:`shuffler`) and routes the communicator's messages to it.
 
     Attributes
     ----------
@@ -108,6 +82,9 @@ class WorkerContext:
         self.options = options
         self.workers = workers
         worker = workers[comm.rank] if comm.rank < len(workers) else comm.addresses[comm.rank]
+        if len(workers) == comm.nranks:
+            # Errors name ranks by their workers (what a Dask user knows), not by mpshuffle's own sockets.
+            comm.set_peer_names([f"worker {w}" for w in workers])
         self.device = setup_device(options, comm.rank)
         limits: dict[MemoryType, int | None] = {MemoryType.HOST: options.host_budget(memory_limit)}
         if self.device is not None:
@@ -180,6 +157,11 @@ class WorkerContext:
             self.pool.retain = True
             return s
 
+    def has_ended(self, op_id: int) -> bool:
+        """Whether run ``op_id`` finished, was released or failed on this rank."""
+        with self._lock:
+            return op_id in self._finished or op_id in self._failed
+
     def _on_done(self, op_id: int) -> None:
         with self._lock:
             s = self.shufflers.pop(op_id, None)
@@ -206,8 +188,7 @@ class WorkerContext:
         s.receive(src, tag, frames)
 
     def _on_peer_lost(self, rank: int, reason: str) -> None:
-        address = self.workers[rank] if rank < len(self.workers) else self.comm.addresses[rank]
-        err = ShuffleError(f"rank {rank} (worker {address}) was lost: {reason}")
+        err = ShuffleError(f"{self.comm.describe(rank)} was lost: {reason}")
         with self._lock:
             shufflers = list(self.shufflers.values())
         for s in shufflers:
@@ -252,63 +233,3 @@ class WorkerContext:
             self.device.close()
         self.pool.close()
         self.comm.close()
-
-
-class LocalRuntime:
-    """Shuffle state of one process when Dask runs without a distributed Client.
-
-    With Dask's synchronous or threaded scheduler, every task runs in this
-    process: the runtime holds one :class:`WorkerContext` on the ``local``
-    communicator, created on first use, and binds runs to it.
-
-    Parameters
-    ----------
-    resolve
-        Returns the options of the context when it is first created (the Dask
-        integration passes :func:`mpshuffle.config.resolve_options`, which
-        reads ``dask.config``; the engine itself never reads it).
-    """
-
-    def __init__(self, resolve: Callable[[], Options]) -> None:
-        self._resolve = resolve
-        self._context: WorkerContext | None = None
-        self._runs: dict[str, RunInfo] = {}
-        self._ops = itertools.count(1)
-        self._lock = threading.Lock()
-
-    @property
-    def context(self) -> WorkerContext:
-        """The process's context (created with the options ``resolve`` returns)."""
-        with self._lock:
-            if self._context is None:
-                options = self._resolve()
-                self._context = WorkerContext(LocalCommunicator(), "local", options, workers=("local",))
-            return self._context
-
-    def get_run(self, token: str, npartitions: int, inserting: bool = False) -> RunInfo:
-        """The active run of graph ``token``, or a new one.
-
-        An insert into a run whose inputs are already done starts a new
-        computation of the graph (an earlier one extracted only some
-        partitions): the old run is freed and a new one begins.
-        """
-        ctx = self.context
-        with self._lock:
-            run = self._runs.get(token)
-            if run is not None and not _ended(ctx, run.op_id):
-                old = ctx.shufflers.get(run.op_id)
-                if not (inserting and old is not None and old.inputs_done):
-                    return run
-                ctx.end_run(run.op_id)
-            run = RunInfo(token, next(self._ops), "local", ("local",), npartitions)
-            self._runs[token] = run
-            return run
-
-    def end_run(self, token: str) -> None:
-        """Forget the run of ``token`` (after its last partition was extracted)."""
-        with self._lock:
-            self._runs.pop(token, None)
-
-
-def _ended(ctx: WorkerContext, op_id: int) -> bool:
-    return op_id in ctx._finished or op_id in ctx._failed

@@ -201,7 +201,7 @@ class Shuffler(Run):
         transport's buffers are full), so the error names the destination,
         not this rank.
         """
-        who = ", ".join(f"rank {d} ({self.comm.addresses[d] or 'local'})" for d in sorted(dests))
+        who = ", ".join(self.comm.describe(d) for d in sorted(dests))
         raise ShuffleTimeoutError(
             f"shuffle op {self.op_id}: {who} did not take a chunk from rank {self.comm.rank} within "
             f"{timeout:g} s (it stopped reading)",
@@ -339,7 +339,7 @@ class Shuffler(Run):
                         r for r in range(self.comm.nranks)
                         if self._expected[r] is None or self._received[r] != self._expected[r]
                     ]
-                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
+                who = ", ".join(self.comm.describe(r) for r in missing)
                 raise ShuffleTimeoutError(
                     f"shuffle op {self.op_id} on rank {self.comm.rank}: data from {who} "
                     f"did not arrive within {timeout:g} s",

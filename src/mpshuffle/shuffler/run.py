@@ -267,7 +267,7 @@ class Run(abc.ABC):
             self._raise_if_failed()
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.comm.nranks)) - set(self._acks))
-                who = ", ".join(f"rank {r} ({self.comm.addresses[r]})" for r in missing)
+                who = ", ".join(self.comm.describe(r) for r in missing)
                 raise ShuffleTimeoutError(
                     f"{self.label} {self.op_id}: {who} did not {self.ack_meaning} within {timeout:g} s",
                     missing=tuple(missing),
