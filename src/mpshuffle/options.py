@@ -1,48 +1,102 @@
-"""The resolved options of a generation, as a plain frozen dataclass.
+"""The options of mpshuffle: one frozen dataclass that holds the defaults and validates itself.
 
-This module imports nothing but :mod:`mpshuffle.errors`, so the engine can
-take options without importing Dask; they are read from Dask's configuration
-and validated by :func:`mpshuffle.config.resolve_options`.
+:class:`Options` is the one place where an option's name, default, meaning
+and valid values are written. The engine takes an :class:`Options` as it is
+(no Dask needed); the Dask integration registers its defaults with
+:mod:`dask.config` and resolves the configuration and keyword arguments into
+one (:func:`mpshuffle.config.resolve_options`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import re
+from typing import Any
 
 from mpshuffle.errors import OptionError
 
-__all__ = ["Options"]
+__all__ = ["MAX_TIMEOUT", "Options", "parse_bytes"]
+
+# Longest wait accepted, in seconds (a year): every wait must end, and waits
+# past threading.TIMEOUT_MAX overflow.
+MAX_TIMEOUT = 365 * 24 * 3600.0
+
+# Byte units: decimal (kB = 1000) and binary (KiB = 1024), case-insensitive.
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``"4MiB"``, ``"2 GB"``, ``"1.5e3"`` or ``"100"`` into bytes.
+
+    Units: ``B``, ``kB``/``MB``/``GB``/``TB`` (powers of 1000), ``KiB``/``MiB``/
+    ``GiB``/``TiB`` (powers of 1024), case-insensitive; no unit means bytes.
+
+    Raises
+    ------
+    ValueError
+        If ``text`` is not a number with one of those units.
+    """
+    m = _SIZE.match(text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size in bytes: {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Resolved, validated options of a generation.
+    """Validated options of a generation; the defaults are the shipped ones.
+
+    Values are checked and normalized on construction (a string ``"64MiB"``
+    becomes bytes, ``"0.5"`` a float), so an :class:`Options` is always
+    valid. With Dask they come from ``dask.config`` under ``mpshuffle.*``
+    (environment ``DASK_MPSHUFFLE__<NAME>``, user YAML) and keyword arguments
+    of :func:`mpshuffle.dask.bootstrap_dask_cluster`.
+
+    The communicator is not an option: it follows from where the tasks run
+    (``tcp``, on the cluster's own protocol ``tcp://`` or ``tls://``, on a
+    distributed cluster; ``local`` with Dask's single-process schedulers).
 
     Attributes
     ----------
-    comm
-        Communicator backend, one of ``"tcp"``, ``"local"``.
     timeout
-        Seconds any wait of a shuffle may take (barrier, extract, receive).
+        Seconds any wait of a shuffle may take (a send, the barrier, extract's
+        wait for data, a peer's headers), in ``(0, MAX_TIMEOUT]``.
     bootstrap_timeout
         Seconds the bootstrap's rendezvous and barrier may take.
     spill_host
-        Host budget for shuffle buffers: a fraction in (0, 1] of the worker's
-        ``memory_limit`` (a ``float``), or bytes (an ``int`` > 1).
+        Host budget of a worker's shuffle buffers: a fraction in ``(0, 1]``
+        of the worker's ``memory_limit`` (a ``float``), or bytes (an ``int``
+        > 1, or a string such as ``"2GiB"``).
     spill_dir
         Directory for spill files, or ``None`` for the worker's local directory.
     spill_device
-        Fraction in (0, 1] of device memory at which device buffers spill.
+        GPU: fraction in ``(0, 1]`` of device memory at which device buffers
+        spill to host (and past ``spill_host`` on to disk).
     pool_size
-        Fraction in (0, 1] of device memory the pool takes up front, or ``None``.
+        GPU: fraction in ``(0, 1]`` of device memory the worker's pool takes
+        up front, or ``None`` (no pool).
     batch_bytes
-        Bytes gathered per destination rank before a chunk is sent.
+        Bytes gathered per destination rank before a chunk is sent (an ``int``
+        or a string such as ``"4MiB"``).
     shared_memory
         Whether ranks of one host exchange large messages through shared
-        memory (``/dev/shm``) instead of their socket.
+        memory (``/dev/shm``) instead of their socket (a ``bool``, or one of
+        ``"true"``/``"false"``, ``"yes"``/``"no"``, ``"on"``/``"off"``,
+        ``"1"``/``"0"`` as environment variables give it).
+
+    Raises
+    ------
+    OptionError
+        Naming the option and the value that is not valid.
     """
 
-    comm: str = "tcp"
     timeout: float = 300.0
     bootstrap_timeout: float = 30.0
     spill_host: float | int = 0.25
@@ -52,21 +106,31 @@ class Options:
     batch_bytes: int = 4 * 2**20
     shared_memory: bool = True
 
-    def check_distributed(self) -> None:
-        """Refuse options that cannot connect the worker processes of a distributed cluster.
+    def __post_init__(self) -> None:
+        spill_dir = self.spill_dir
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise OptionError(f"option 'spill_dir' must be a path or None, got {spill_dir!r}")
+        normal = {
+            "timeout": _seconds("timeout", self.timeout),
+            "bootstrap_timeout": _seconds("bootstrap_timeout", self.bootstrap_timeout),
+            "spill_host": _spill_host(self.spill_host),
+            "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None,
+            "spill_device": _fraction("spill_device", self.spill_device),
+            "pool_size": None if self.pool_size is None else _fraction("pool_size", self.pool_size),
+            "batch_bytes": _bytes("batch_bytes", self.batch_bytes),
+            "shared_memory": _bool("shared_memory", self.shared_memory),
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
 
-        Raises
-        ------
-        OptionError
-            If ``comm`` is not ``"tcp"`` (``"local"`` is for Dask's
-            single-process schedulers; it may come from ``mpshuffle.comm`` in
-            dask.config as well as from a keyword argument).
-        """
-        if self.comm != "tcp":
-            raise OptionError(
-                f"comm={self.comm!r} cannot connect the workers of a distributed cluster; use 'tcp' "
-                "('local' is for Dask's single-process schedulers; check mpshuffle.comm in dask.config)"
-            )
+    @classmethod
+    def names(cls) -> list[str]:
+        """The option names, in order."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as a dict (what travels to the workers, and dask.config's defaults)."""
+        return dataclasses.asdict(self)
 
     def host_budget(self, memory_limit: int | None) -> int | None:
         """Host budget in bytes for a worker with ``memory_limit`` bytes.
@@ -79,3 +143,68 @@ class Options:
                 return None
             return int(self.spill_host * memory_limit)
         return int(self.spill_host)
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def _bool(name: str, value: Any) -> bool:
+    # Environment variables arrive as strings (DASK_MPSHUFFLE__SHARED_MEMORY=false).
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    if isinstance(value, bool):
+        return value
+    raise OptionError(f"option {name!r} must be true or false, got {value!r}")
+
+
+def _fraction(name: str, value: Any) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"option {name!r} must be a number in (0, 1], got {value!r}") from None
+    if not 0 < f <= 1:
+        raise OptionError(f"option {name!r} must be a fraction in (0, 1], got {value!r}")
+    return f
+
+
+def _seconds(name: str, value: Any) -> float:
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"option {name!r} must be a positive number of seconds, got {value!r}") from None
+    if math.isnan(f) or not 0 < f <= MAX_TIMEOUT:
+        raise OptionError(f"option {name!r} must be a number of seconds in (0, {MAX_TIMEOUT:g}], got {value!r}")
+    return f
+
+
+def _bytes(name: str, value: Any) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = parse_bytes(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"option {name!r} must be a number of bytes, got {value!r}") from None
+    if n <= 0:
+        raise OptionError(f"option {name!r} must be a positive number of bytes, got {value!r}")
+    return n
+
+
+def _spill_host(value: Any) -> float | int:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return _bytes("spill_host", value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionError(f"option 'spill_host' must be a fraction in (0, 1] or bytes, got {value!r}")
+    if value <= 0:
+        raise OptionError(f"option 'spill_host' must be positive, got {value!r}")
+    if value <= 1:
+        return float(value)
+    if value != int(value):
+        raise OptionError(
+            f"option 'spill_host' must be a fraction in (0, 1] of the worker's memory_limit or a "
+            f"whole number of bytes, got {value!r}"
+        )
+    return int(value)

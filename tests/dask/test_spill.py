@@ -183,7 +183,7 @@ def test_closing_the_worker_context_removes_spill_files_of_running_shuffles(tmp_
     from mpshuffle.shuffler.context import WorkerContext
     from mpshuffle.table import get_adapter
 
-    options = resolve_options(comm="local", spill_host=1024, spill_dir=str(tmp_path))
+    options = resolve_options(spill_host=1024, spill_dir=str(tmp_path))
     ctx = WorkerContext(LocalCommunicator(), "gen1", options, workers=("w0",))
     pdf = _frame(5_000)
     pieces = get_adapter(pdf).split(pdf, ["k"], 3)

@@ -30,12 +30,14 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 def test_shipped_defaults_are_registered_with_dask_config(clean_env: pytest.MonkeyPatch) -> None:
     dask.config.refresh()
     assert dask.config.get("mpshuffle.spill_host") == 0.25
-    assert dask.config.get("mpshuffle.batch_bytes") == "4MiB"
+    assert dask.config.get("mpshuffle.batch_bytes") == 4 * 2**20
     opts = resolve_options()
-    assert opts == Options(
-        comm="tcp", timeout=300.0, bootstrap_timeout=30.0, spill_host=0.25, spill_dir=None,
+    assert opts == Options() == Options(
+        timeout=300.0, bootstrap_timeout=30.0, spill_host=0.25, spill_dir=None,
         spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20, shared_memory=True,
     )
+    # The defaults are written once, in Options: dask.config holds exactly them.
+    assert dask.config.get("mpshuffle") == Options().as_dict()
 
 
 def test_environment_overrides_defaults_and_kwargs_override_both(clean_env: pytest.MonkeyPatch) -> None:
@@ -47,7 +49,7 @@ def test_environment_overrides_defaults_and_kwargs_override_both(clean_env: pyte
     assert opts.spill_host == 64 * 2**20
     assert opts.timeout == 12.0
     assert opts.spill_dir == "/tmp/from-env"
-    assert opts.comm == "tcp"  # untouched: still the shipped default
+    assert opts.batch_bytes == 4 * 2**20  # untouched: still the shipped default
     clean_env.setenv("DASK_MPSHUFFLE__SHARED_MEMORY", "false")
     dask.config.refresh()
     assert resolve_options().shared_memory is False
@@ -107,7 +109,6 @@ def test_host_budget_in_bytes() -> None:
         ("bootstrap_timeout", 0, "'bootstrap_timeout' must be a number of seconds in \\(0, "),
         ("batch_bytes", 0, "'batch_bytes' must be a positive number of bytes"),
         ("batch_bytes", "big", "'batch_bytes' must be a number of bytes"),
-        ("comm", "mpi", "'comm' must be one of tcp, local"),
         ("spill_dir", 3, "'spill_dir' must be a path or None"),
         ("shared_memory", "maybe", "'shared_memory' must be true or false"),
         ("shared_memory", 1, "'shared_memory' must be true or false"),
@@ -136,10 +137,39 @@ def test_unknown_names_raise_listing_the_valid_ones(clean_env: pytest.MonkeyPatc
 
     clean_env.setenv("DASK_MPSHUFFLE__SPILL_HOSTS", "1GiB")
     dask.config.refresh()
-    with pytest.raises(OptionError, match="unknown mpshuffle option.*'spill_hosts'.*valid options are: comm"):
+    with pytest.raises(OptionError, match="unknown mpshuffle option.*'spill_hosts'.*valid options are: timeout"):
         resolve_options()
 
 
 def test_option_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         resolve_options(timeout=-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [("batch_bytes", "4MiB", 4 * 2**20), ("batch_bytes", "1.5kB", 1500), ("spill_host", "2 GiB", 2 * 2**30),
+     ("timeout", "12", 12.0), ("spill_device", "0.25", 0.25), ("spill_dir", None, None)],
+)
+def test_options_validate_and_normalize_themselves_without_dask_config(name: str, value: object, expected: object) -> None:
+    from mpshuffle.options import Options as EngineOptions
+
+    assert getattr(EngineOptions(**{name: value}), name) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [("batch_bytes", True, "'batch_bytes' must be a number of bytes"), ("batch_bytes", "4 MiBs", "number of bytes"),
+     ("timeout", float("nan"), "'timeout' must be a number of seconds"), ("pool_size", 0, "'pool_size' must be a fraction")],
+)
+def test_options_refuse_bad_values_on_construction(name: str, value: object, match: str) -> None:
+    from mpshuffle.options import Options as EngineOptions
+
+    with pytest.raises(OptionError, match=match):
+        EngineOptions(**{name: value})
+
+
+def test_comm_is_not_an_option(clean_env: pytest.MonkeyPatch) -> None:
+    """The communicator follows from where the tasks run, so asking for one is an unknown option."""
+    with pytest.raises(OptionError, match="unknown mpshuffle option.*'comm'"):
+        resolve_options(comm="tcp")

@@ -130,7 +130,7 @@ def test_worker_context_gives_the_device_run_its_spill_directory(tmp_path: Any) 
     from mpshuffle.config import resolve_options
     from mpshuffle.shuffler.context import WorkerContext
 
-    options = resolve_options(comm="local", spill_host=LIMIT, spill_dir=str(tmp_path))
+    options = resolve_options(spill_host=LIMIT, spill_dir=str(tmp_path))
     ctx = WorkerContext(LocalCommunicator(), "gen1", options, workers=("w0",))
     try:
         # A tiny device budget, on CPU machines (the host twin) and GPU ones alike.

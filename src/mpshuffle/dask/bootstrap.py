@@ -87,7 +87,6 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
 
         client = get_client()
     opts = resolve_options(**options)
-    opts.check_distributed()
     return client.sync(_bootstrap, client, dataclasses.asdict(opts))
 
 

@@ -192,7 +192,6 @@ def _warm_up() -> None:
     from mpshuffle.dask.bootstrap import register_plugins
 
     options = resolve_options()
-    options.check_distributed()
     register_plugins(client)
     # Options resolved here only seed the first generation: options the user
     # bootstrapped with (spill_host=...) must be kept, also for a generation

@@ -200,11 +200,10 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         gen = self.generation
         # Options outlive a generation dropped because a worker left or a rank
         # stopped answering: the next one is bootstrapped with the same.
-        opts = Options(**options) if options is not None else (self._options or resolve_options())
         try:
-            # mpshuffle.comm in dask.config reaches here without a client-side check
-            # when the first task bootstraps.
-            opts.check_distributed()
+            # The scheduler's dask.config may hold a bad value (read here when
+            # the first task bootstraps, without a client-side check).
+            opts = Options(**options) if options is not None else (self._options or resolve_options())
         except OptionError as e:
             raise BootstrapError(str(e)) from None
         if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:

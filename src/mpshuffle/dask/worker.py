@@ -14,10 +14,10 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
 from mpshuffle.comm.tcp import TcpCommunicator
-from mpshuffle.config import Options
 from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
 from mpshuffle.dask.runtime import RunInfo
 from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
+from mpshuffle.options import Options
 from mpshuffle.shuffler.context import WorkerContext
 from mpshuffle.table import partition_owner
 
