@@ -6,6 +6,10 @@ Nothing here imports Dask or distributed: a run is driven by whoever holds a
 
 Modules
 -------
+run
+    :class:`~mpshuffle.shuffler.run.Run`, the run protocol and the lifecycle
+    both kinds share (barrier acknowledgements, owned partitions, fail,
+    close), and :class:`~mpshuffle.shuffler.run.Statistics`.
 host
     :class:`~mpshuffle.shuffler.host.Shuffler`, one rank's state of a host run.
 device
@@ -16,8 +20,7 @@ device
     consolidation plan), ``run`` (the run).
 context
     :class:`~mpshuffle.shuffler.context.WorkerContext`, what one rank of a
-    generation holds, and :class:`~mpshuffle.shuffler.context.LocalRuntime`,
-    the single-process runtime.
+    generation holds: communicator, budgets, GPU and runs.
 collective
     :class:`~mpshuffle.shuffler.collective.DeviceShuffle`, a bulk-synchronous
     device shuffle for ranks that all call it together (each round received
