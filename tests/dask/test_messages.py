@@ -7,6 +7,7 @@ import pytest
 
 from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
 from mpshuffle.dask.runtime import LocalRuntime, Runtime
+from mpshuffle.errors import ShuffleError
 
 
 @pytest.mark.parametrize(
@@ -50,5 +51,21 @@ def test_the_local_runtime_binds_one_run_per_computation() -> None:
         ctx.shuffler(run.op_id).barrier(3, accepted=["a"])
         again = runtime.get_run("tok", 3, extract_name="x", barrier_name="b", inserting=True)
         assert again.op_id != run.op_id and ctx.has_ended(run.op_id)
+    finally:
+        ctx.close()
+
+
+def test_a_failed_local_task_frees_its_run() -> None:
+    """Dask's local schedulers stop at a task's error: the run is failed and forgotten, not left behind."""
+    runtime = LocalRuntime()
+    run = runtime.get_run("tok", 2, inserting=True)
+    ctx = runtime.context_for(run)
+    try:
+        ctx.shuffler(run.op_id).insert(0, {}, attempt="a")
+        with pytest.raises(ShuffleError, match=r"insert phase on rank 0 \(local\): .*cannot be hashed"), \
+                runtime.guard("insert", run, ctx):
+            raise ShuffleError("key column 'x' cannot be hashed")
+        assert ctx.shufflers == {} and ctx.has_ended(run.op_id)
+        assert runtime.get_run("tok", 2, inserting=True).op_id != run.op_id
     finally:
         ctx.close()

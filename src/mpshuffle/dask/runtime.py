@@ -15,9 +15,11 @@ run's generation. Two runtimes implement the protocol:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -172,9 +174,24 @@ class LocalRuntime:
         """The process's one context."""
         return self.context
 
-    def guard(self, name: str, run: RunInfo, ctx: WorkerContext) -> AbstractContextManager[None]:
-        """Label errors with the phase and the one rank."""
-        return phase(name, f"rank {ctx.rank} ({ctx.workers[ctx.rank] if ctx.workers else ''})")
+    @contextlib.contextmanager
+    def guard(self, name: str, run: RunInfo, ctx: WorkerContext) -> Iterator[None]:
+        """Label errors with the phase and the one rank; a failed task fails its run.
+
+        Dask's local schedulers end the computation at a task's error, and no
+        scheduler plugin is there to free the run afterwards: the run is
+        failed here (its buffers and spill files freed) and forgotten, so
+        the next computation of the graph starts a fresh one.
+        """
+        try:
+            with phase(name, f"rank {ctx.rank} ({ctx.workers[ctx.rank] if ctx.workers else ''})"):
+                yield
+        except BaseException as e:
+            ctx.fail_run(run.op_id, f"shuffle op {run.op_id}: a {name} task failed: {e}")
+            with self._lock:
+                if self._runs.get(run.token) == run:
+                    del self._runs[run.token]
+            raise
 
     def check_owner(self, run: RunInfo, partition_id: int) -> None:
         """Nothing to check: the one rank owns every partition."""
