@@ -188,7 +188,7 @@ def test_closing_the_worker_context_removes_spill_files_of_running_shuffles(tmp_
     pdf = _frame(5_000)
     pieces = get_adapter(pdf).split(pdf, ["k"], 3)
     s = ctx.shuffler(4)
-    s.insert(0, pieces, timeout=10)  # inserted, never extracted: the run is still open
+    s.insert(0, pieces)  # inserted, never extracted: the run is still open
     assert os.listdir(tmp_path) == ["mpshuffle-gen1-op4-r0"]
     assert s.postbox.nbytes_spilled > 0
     ctx.close()  # what the worker plugin's teardown does when the worker closes
