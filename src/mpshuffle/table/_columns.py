@@ -43,6 +43,7 @@ import pyarrow as pa
 from mpshuffle.memory.packed import PackedData
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
+from mpshuffle.table.hashing import owned_partitions
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -486,13 +487,15 @@ def pack(
 
 
 def owner_groups(npartitions: int, rank: int, nranks: int) -> npt.NDArray[np.int8] | None:
-    """Group of each partition for :func:`pack`: 0 if ``rank`` owns it (``j % nranks``), else 1.
+    """Group of each partition for :func:`pack`: 0 if ``rank`` owns it (:func:`owned_partitions`), else 1.
 
     ``None`` (one group) for a single rank.
     """
     if nranks <= 1:
         return None
-    return (np.arange(npartitions) % nranks != rank).astype(np.int8)
+    groups = np.ones(npartitions, dtype=np.int8)
+    groups[list(owned_partitions(rank, nranks, npartitions))] = 0
+    return groups
 
 
 def _allocate(
