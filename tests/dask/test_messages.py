@@ -5,7 +5,14 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
+from mpshuffle.dask.messages import (
+    BootstrapSpec,
+    Generation,
+    Joined,
+    Restarted,
+    RunBinding,
+    Verdict,
+)
 from mpshuffle.dask.runtime import LocalRuntime, Runtime
 from mpshuffle.errors import ShuffleError
 
@@ -21,6 +28,7 @@ from mpshuffle.errors import ShuffleError
         Verdict(True),
         Verdict(False, ("tcp://a:1",)),
         Restarted(False),
+        Generation("0123456789ab", 2, {"tcp://a:1": 0, "tcp://b:2": 1}, bootstrapped=True),
     ],
 )
 def test_a_message_survives_the_wire_as_msgpack(message: object) -> None:

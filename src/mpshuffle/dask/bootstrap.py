@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from mpshuffle.config import resolve_options
+from mpshuffle.dask.messages import Generation
 from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
 from mpshuffle.dask.worker import PLUGIN_NAME, ShuffleWorkerPlugin
 from mpshuffle.errors import MPShuffleError
@@ -16,28 +17,6 @@ if TYPE_CHECKING:
     from mpshuffle.shuffler.context import WorkerContext
 
 __all__ = ["Generation", "bootstrap_dask_cluster", "get_worker_context", "register_plugins"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """One bootstrapped membership of the cluster.
-
-    Attributes
-    ----------
-    id
-        Generation id (12 hex digits).
-    nranks
-        Number of ranks (= workers).
-    ranks
-        Worker address -> rank; ranks follow the sorted worker addresses.
-    bootstrapped
-        ``True`` if this call bootstrapped it, ``False`` if it was reused.
-    """
-
-    id: str
-    nranks: int
-    ranks: dict[str, int]
-    bootstrapped: bool
 
 
 def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
@@ -93,7 +72,7 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
 async def _bootstrap(client: Client, options: dict[str, Any]) -> Generation:
     await _register(client)
     desc = await client.run_on_scheduler(_ensure_generation, options=options)
-    return Generation(id=desc["id"], nranks=desc["nranks"], ranks=dict(desc["ranks"]), bootstrapped=desc["bootstrapped"])
+    return Generation.from_msg(desc)
 
 
 async def _ensure_generation(options: dict[str, Any], dask_scheduler: Any = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Self
 
-__all__ = ["BootstrapSpec", "Joined", "Message", "Restarted", "RunBinding", "Verdict"]
+__all__ = ["BootstrapSpec", "Generation", "Joined", "Message", "Restarted", "RunBinding", "Verdict"]
 
 @dataclasses.dataclass(frozen=True)
 class Message:
@@ -63,6 +63,30 @@ class BootstrapSpec(Message):
     workers: tuple[str, ...]
     token: str
     options: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation(Message):
+    """One bootstrapped membership of the cluster: the scheduler's answer to a bootstrap.
+
+    Returned by :func:`mpshuffle.dask.bootstrap_dask_cluster`.
+
+    Attributes
+    ----------
+    id
+        Generation id (12 hex digits).
+    nranks
+        Number of ranks (= workers).
+    ranks
+        Worker address -> rank; ranks follow the sorted worker addresses.
+    bootstrapped
+        ``True`` if this call bootstrapped it, ``False`` if it was reused.
+    """
+
+    id: str
+    nranks: int
+    ranks: dict[str, int]
+    bootstrapped: bool
 
 
 @dataclasses.dataclass(frozen=True)

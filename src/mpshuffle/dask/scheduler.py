@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from mpshuffle.config import Options, resolve_options
-from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
+from mpshuffle.dask.messages import (
+    BootstrapSpec,
+    Generation,
+    Joined,
+    Restarted,
+    RunBinding,
+    Verdict,
+)
 from mpshuffle.errors import BootstrapError, OptionError
 from mpshuffle.table import partition_owner
 
@@ -78,12 +85,10 @@ class _Generation:
     stale: bool = False
     runs: set[int] = dataclasses.field(default_factory=set)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "nranks": len(self.workers),
-            "ranks": {w: r for r, w in enumerate(self.workers)},
-        }
+    def describe(self, bootstrapped: bool) -> dict[str, Any]:
+        """The :class:`Generation` message of this generation."""
+        ranks = {w: r for r, w in enumerate(self.workers)}
+        return Generation(self.id, len(self.workers), ranks, bootstrapped).to_msg()
 
 
 @dataclasses.dataclass(eq=False)
@@ -178,7 +183,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         Returns
         -------
         dict
-            ``{"id", "nranks", "ranks": {worker: rank}, "bootstrapped": bool}``.
+            A :class:`Generation` message (id, nranks, ranks by worker, bootstrapped).
 
         Raises
         ------
@@ -207,7 +212,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         except OptionError as e:
             raise BootstrapError(str(e)) from None
         if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:
-            return {**gen.describe(), "bootstrapped": False}
+            return gen.describe(bootstrapped=False)
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)
         self._root_events[new.id] = asyncio.Event()
         spec = BootstrapSpec(new.id, workers, new.token, dataclasses.asdict(opts))
@@ -232,7 +237,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             self._maybe_close(old)
         self.bootstraps += 1
         logger.info("mpshuffle: generation %s bootstrapped on %d workers", new.id, len(workers))
-        return {**new.describe(), "bootstrapped": True}
+        return new.describe(bootstrapped=True)
 
     async def _call_each(
         self, workers: tuple[str, ...], spec: BootstrapSpec, timeout: float
