@@ -111,12 +111,17 @@ def test_split_for_keeps_pieces_apart_and_equal_to_split(adapter: object) -> Non
         assert a.equals(b)
     kept = {p: v for p, v in pooled.items() if p % 3 == 1}
     sent = {p: v for p, v in pooled.items() if p % 3 != 1}
-    lo = min(v.data.address for v in kept.values())
-    hi = max(v.data.address + v.data.size for v in kept.values())
-    assert all(not lo <= v.data.address < hi for v in sent.values())  # another block
+    # The sent pieces share one block; every kept piece has one of its own.
+    assert len({v.data.parent.address for v in sent.values()}) == 1
+    assert len({v.data.parent.address for v in kept.values()}) == len(kept)
     del pooled, plain, sent, a, b  # b may be a zero-copy view of a sent piece
     gc.collect()
-    assert pool.idle_bytes > 0  # the sent pieces' block is back while the kept ones live
+    idle = pool.idle_bytes
+    assert idle > 0  # the sent pieces' block is back while the kept ones live
+    first = min(kept)
+    kept.pop(first)  # extracted: its memory goes at once, not with the last one
+    gc.collect()
+    assert pool.idle_bytes > idle
     assert all(v.nrows for v in kept.values())
 
 
@@ -137,3 +142,17 @@ def test_worker_processes_get_the_system_allocator_unless_the_user_chose(chosen:
         assert out == [chosen, chosen, chosen]
     else:
         assert out[1:] == ["system", "system"]
+
+
+@pytest.mark.parametrize(("npartitions", "rank", "nranks"), [(60, 0, 2), (7, 2, 3), (1000, 1, 2), (5, 0, 1)])
+def test_owner_groups_keep_each_kept_partition_apart(npartitions: int, rank: int, nranks: int) -> None:
+    from mpshuffle.table._columns import KEPT_GROUPS, owner_groups
+
+    groups = owner_groups(npartitions, rank, nranks)
+    kept = np.arange(npartitions) % nranks == rank
+    sent_groups = set(groups[~kept].tolist())
+    assert len(sent_groups) <= 1 and not sent_groups & set(groups[kept].tolist())
+    kept_groups = groups[kept]
+    n = len(set(kept_groups.tolist()))
+    assert n == kept.sum() if kept.sum() <= KEPT_GROUPS else KEPT_GROUPS // 2 < n <= KEPT_GROUPS
+    assert np.all(np.diff(kept_groups) >= 0)  # neighbours share when they must

@@ -486,15 +486,27 @@ def pack(
     return pieces
 
 
-def owner_groups(npartitions: int, rank: int, nranks: int) -> npt.NDArray[np.int8] | None:
-    """Group of each partition for :func:`pack`: 0 if ``rank`` owns it (:func:`owned_partitions`), else 1.
+#: At most this many groups hold the pieces a rank keeps (see :func:`owner_groups`).
+KEPT_GROUPS = 256
 
-    ``None`` (one group) for a single rank.
+
+def owner_groups(npartitions: int, rank: int, nranks: int) -> npt.NDArray[np.int64]:
+    """Group of each partition for :func:`pack`: where its piece's memory is freed with others'.
+
+    The pieces this rank keeps (its :func:`owned_partitions`)
+    wait in the postbox until their partition is extracted, one partition
+    after another: each gets a group of its own (up to :data:`KEPT_GROUPS`
+    groups; beyond that, neighbouring partitions share), so its memory goes
+    as soon as it is extracted, not with the last partition of the insert.
+    The pieces sent to other ranks share one group (the last), freed once
+    they are all sent.
     """
-    if nranks <= 1:
-        return None
-    groups = np.ones(npartitions, dtype=np.int8)
-    groups[list(owned_partitions(rank, nranks, npartitions))] = 0
+    kept = np.zeros(npartitions, dtype=bool)
+    kept[list(owned_partitions(rank, nranks, npartitions))] = True
+    nkept = int(kept.sum())
+    per = -(-nkept // KEPT_GROUPS) if nkept else 1
+    groups = np.full(npartitions, -(-nkept // per), np.int64)
+    groups[kept] = np.arange(nkept) // per
     return groups
 
 
@@ -506,19 +518,23 @@ def _allocate(
     Returns ``(array, offsets, buffers)``: group ``g`` is
     ``array[offsets[g] : offsets[g] + sizes[g]]``, owned by ``buffers[g]``.
     With a pool each group is a block of its own (so the pieces sent away
-    free theirs while the kept ones stay); the array then spans from the
-    lowest block to the end of the highest, and only the groups' ranges in it
-    are ever written.
+    free theirs while the kept ones stay, and each kept partition frees its
+    own at extract); the array then spans from the lowest block to the end of
+    the highest, and only the groups' ranges in it are ever written.
     """
     if pool is None:
         offsets = (np.cumsum(sizes) - np.asarray(sizes, np.int64)).tolist()
         buf = _empty_aligned(max(sum(sizes), 1))
         return buf, offsets, [pa.py_buffer(buf[o : o + s]) for o, s in zip(offsets, sizes, strict=True)]
-    buffers = [pool.allocate(s) for s in sizes]
-    lo = min(b.address for b in buffers)
-    hi = max(b.address + b.size for b in buffers)
-    span = np.ctypeslib.as_array((ctypes.c_uint8 * max(hi - lo, 1)).from_address(lo))
-    return span, [b.address - lo for b in buffers], buffers
+    # A group without pieces gets no memory (nothing is written to it).
+    buffers = [pool.allocate(s) if s else pa.py_buffer(b"") for s in sizes]
+    used = [b for b, s in zip(buffers, sizes, strict=True) if s]
+    if not used:
+        return _empty_aligned(1), [0] * len(sizes), buffers
+    lo = min(b.address for b in used)
+    hi = max(b.address + b.size for b in used)
+    span = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
+    return span, [b.address - lo if s else 0 for b, s in zip(buffers, sizes, strict=True)], buffers
 
 
 def _ipc_size(table: pa.Table) -> int:

@@ -132,7 +132,7 @@ class ArrowAdapter(FrameAdapter):
             if frame.num_rows == 0:
                 return {}
             split = rank_ids(ids, npartitions)
-        groups = owner_groups(npartitions, rank, nranks)
+        groups = None if pool is None else owner_groups(npartitions, rank, nranks)
         return pack(columns, split, frame.schema, pool=pool, groups=groups)
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:

@@ -297,7 +297,8 @@ class PandasAdapter(FrameAdapter):
             split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on))
         else:
             split = rank_ids(ids, npartitions)
-        return pack(columns, split, schema, names, pool=pool, groups=owner_groups(npartitions, rank, nranks))
+        groups = None if pool is None else owner_groups(npartitions, rank, nranks)
+        return pack(columns, split, schema, names, pool=pool, groups=groups)
 
     def _ids(
         self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int, ids: Any
