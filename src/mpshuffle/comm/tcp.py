@@ -3,9 +3,12 @@
 Each rank listens on its own port (``tcp://`` or ``tls://``, like the Dask
 cluster it runs in, with the cluster's credentials) and runs its sockets on
 its own *progress thread* with its own event loop, never on the Dask worker's
-event loop. A message to a peer goes over one outgoing connection per peer;
-frames are passed to :mod:`distributed.comm` as ``Serialized`` sub-frames so
-that buffers are written without copies.
+event loop. A message to a peer goes over one outgoing connection per peer.
+Small messages are passed to :mod:`distributed.comm` as ``Serialized``
+sub-frames; a message of at least :data:`RAW_BYTES` is announced by a small
+header and its frames follow on the same stream unchanged, so that the
+receiver reads them into one buffer from its allocator (the worker's
+:class:`~mpshuffle.memory.pool.HostPool`) instead of fresh memory per frame.
 
 Every connection starts with a *hello* carrying the generation id, a secret
 token handed out with the bootstrap, and the sender's rank and listening
