@@ -15,8 +15,10 @@ times each stage of the insert and the extract on it, ``--repeats`` times:
   piece metadata included (there is no separate pack: pieces are slices);
 * ``insert``: the adapter's whole ``split`` (the three above), in fresh memory;
 * ``insert pooled``: the same through ``split_for`` with a
-  :class:`~mpshuffle.memory.pool.HostPool` (rank 0 of 2), its pieces dropped
-  at once, so their memory is reused as a rank reuses that of pieces it sent;
+  :class:`~mpshuffle.memory.pool.HostPool` (rank 0 of 2) that keeps every
+  block, its pieces dropped at once: all memory reused, the best case (a
+  worker reuses the sent pieces' block at once, the kept pieces' blocks only
+  after their extract);
 * ``read pieces``: rebuilding the pieces as zero-copy Arrow tables;
 * ``extract``: the adapter's whole ``unpack`` of the ``--partitions`` pieces
   as one output partition (concatenate, ``to_pandas``, cast to the meta).
@@ -88,7 +90,9 @@ def run(rows: int, partitions: int, repeats: int) -> dict[str, Any]:
     split = columns.hash_ids([cols[0]], partitions, len(frame))
     pieces = list(adapter.split(frame, ["key"], partitions).values())
     meta = frame.iloc[:0]
-    pool = HostPool(4 * nbytes)
+    # Enough blocks per size class for a whole insert's pieces: the steady
+    # state of a worker whose pool serves every piece from reused memory.
+    pool = HostPool(4 * nbytes, per_class=4 * partitions)
     stages: dict[str, Callable[[], Any]] = {
         "memcpy warm": lambda: np.copyto(dst, src),
         "memcpy fresh": lambda: src.copy(),
