@@ -15,7 +15,10 @@ token handed out with the bootstrap, and the sender's rank and listening
 address. A connection whose hello does not match (a process that is not a
 rank of this generation, garbage on the port) is logged and closed; the
 ranks' own connections are not disturbed. A rank that accepts a hello answers
-with a *welcome*.
+with a *welcome*. Every accepted connection has a deadline of its own
+(``hello_timeout``) for the TLS handshake, distributed's handshake and the
+hello together: a stranger that connects and sends nothing is logged and
+closed when it passes.
 
 Ranks of one host exchange large messages through shared memory
 (:mod:`mpshuffle.comm._shm`): the hello names a probe file in ``/dev/shm``,
@@ -42,6 +45,7 @@ from typing import Any
 
 import distributed.comm
 import numpy as np
+from distributed.comm.addressing import parse_address, parse_host_port
 from distributed.comm.core import CommClosedError
 from distributed.protocol.serialize import Serialized
 from tornado.iostream import StreamClosedError
@@ -117,6 +121,9 @@ class TcpCommunicator(Communicator):
         Exchange large messages with ranks of the same host through
         ``/dev/shm`` (see the module docstring); ``False`` keeps every
         message on the socket.
+    hello_timeout
+        Seconds an accepted connection may take to present a valid hello
+        (TLS and distributed's handshakes included) before it is closed.
 
     Attributes
     ----------
@@ -142,11 +149,19 @@ class TcpCommunicator(Communicator):
     def __init__(
         self, rank: int, nranks: int, *, generation: str, token: str, security: Any = None,
         shared_memory: bool = True,
+        hello_timeout: float = 30.0,
     ) -> None:
         super().__init__(rank, nranks)
         self.generation = generation
         self._token = token
         self._security = security
+        self._hello_timeout = hello_timeout
+        # Accepted connections (by the peer's host and port) that have not
+        # presented a valid hello yet: the timer that closes each, and its
+        # stream. Expired ones are remembered a while, so that the handshake
+        # that fails because of it is not reported twice.
+        self._hello_deadlines: dict[tuple[str, int], tuple[asyncio.TimerHandle, Any]] = {}
+        self._expired: set[tuple[str, int]] = set()
         self._listener = None
         self._out = {}
         self._inbound = {}
@@ -197,6 +212,7 @@ class TcpCommunicator(Communicator):
         listen_address: str = "tcp://127.0.0.1:0",
         security: Any = None,
         shared_memory: bool = True,
+        hello_timeout: float = 30.0,
     ) -> TcpCommunicator:
         """Create a rank and start listening (coroutine; does not block the caller's loop).
 
@@ -214,7 +230,8 @@ class TcpCommunicator(Communicator):
             The rank, with ``addresses[rank]`` set to its contact address.
         """
         self = cls(
-            rank, nranks, generation=generation, token=token, security=security, shared_memory=shared_memory
+            rank, nranks, generation=generation, token=token, security=security,
+            shared_memory=shared_memory, hello_timeout=hello_timeout,
         )
         try:
             await self._run(self._listen(listen_address))
@@ -229,7 +246,52 @@ class TcpCommunicator(Communicator):
             address, self._handle_comm, deserialize=False, **kwargs
         )
         self._listener.on_connection = self._guarded_handshake(self._listener.on_connection)
+        server = getattr(self._listener, "tcp_server", None)
+        if server is not None:
+            server.handle_stream = self._with_deadline(server.handle_stream)
         self.addresses[self.rank] = self._listener.contact_address
+
+    def _with_deadline(self, handle_stream: Any) -> Any:
+        """Give every accepted stream ``hello_timeout`` seconds to present a valid hello.
+
+        Set where the server hands over a new stream, before any handshake:
+        distributed's handshake read (and TLS's) has no deadline, so a
+        stranger that sends nothing would otherwise hold a socket forever.
+        """
+
+        def handle(stream: Any, address: Any) -> Any:
+            key = (str(address[0]), int(address[1]))
+            timer = self.loop.call_later(self._hello_timeout, self._expire, key)
+            self._hello_deadlines[key] = (timer, stream)
+            return handle_stream(stream, address)
+
+        return handle
+
+    def _expire(self, key: tuple[str, int]) -> None:
+        entry = self._hello_deadlines.pop(key, None)
+        if entry is None or entry[1].closed():
+            return
+        self._expired.add(key)
+        self.loop.call_later(self._hello_timeout + 5, self._expired.discard, key)
+        logger.warning(
+            "mpshuffle: refused connection from %s:%d to rank %d of generation %s: no valid hello "
+            "within %g s",
+            *key, self.rank, self.generation, self._hello_timeout,
+        )
+        entry[1].close()
+
+    def _hello_done(self, comm: Any) -> bool:
+        """Stop the deadline of ``comm``'s connection; ``False`` if it had expired (and was reported)."""
+        try:
+            host, port = parse_host_port(parse_address(comm.peer_address)[1])
+        except (ValueError, TypeError):
+            return True  # not a TCP peer: no deadline was set
+        key = (host, int(port))
+        entry = self._hello_deadlines.pop(key, None)
+        if entry is not None:
+            entry[0].cancel()
+            return True
+        return key not in self._expired
 
     # -- bootstrap -------------------------------------------------------
     async def rendezvous(self, root_address: str | None, timeout: float) -> None:
@@ -359,6 +421,8 @@ class TcpCommunicator(Communicator):
             try:
                 return await on_connection(comm, *args, **kwargs)
             except Exception as e:
+                if not self._hello_done(comm):
+                    raise  # closed by its deadline, reported there
                 logger.warning(
                     "mpshuffle: refused connection from %s to rank %d of generation %s: "
                     "no valid handshake (%s)",
@@ -371,9 +435,13 @@ class TcpCommunicator(Communicator):
     async def _handle_comm(self, comm: Any) -> None:
         peer = comm.peer_address
         try:
-            hello = await asyncio.wait_for(comm.read(), 30)
+            hello = await comm.read()  # the stream's deadline ends a silent stranger
         except Exception as e:  # noqa: BLE001 - garbage, a closed socket, a slow stranger
-            logger.warning("mpshuffle: refused connection from %s: no valid hello (%s)", peer, e)
+            if self._hello_done(comm):
+                logger.warning("mpshuffle: refused connection from %s: no valid hello (%s)", peer, e)
+            comm.abort()
+            return
+        if not self._hello_done(comm):
             comm.abort()
             return
         src = self._check_hello(hello)
@@ -566,6 +634,10 @@ class TcpCommunicator(Communicator):
             self._fail_acks(dest, CommError(f"rank {self.rank}: the communicator is closed"))
         if self._shm is not None:
             self._shm.remove_pending()
+        for timer, stream in list(self._hello_deadlines.values()):
+            timer.cancel()
+            stream.close()
+        self._hello_deadlines.clear()
         if self._listener is not None:
             self._listener.stop()
         for comm in list(self._inbound.values()):

@@ -137,6 +137,9 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 listen_address=_listen_address(address),
                 security=self.worker.security,
                 shared_memory=options.shared_memory,
+                # A legitimate peer says hello at once; a stranger gets as
+                # long as a rank of the bootstrap would.
+                hello_timeout=timeout,
             )
             try:
                 if rank == 0:
