@@ -17,9 +17,19 @@ import dask.config
 from mpshuffle.errors import OptionError
 from mpshuffle.options import Options
 
-__all__ = ["Options", "resolve_options"]
+__all__ = ["DEFAULT_MAX_NPARTITIONS", "Options", "max_npartitions", "resolve_options"]
 
-dask.config.update_defaults({"mpshuffle": Options().as_dict()})
+# Default of ``mpshuffle.max-npartitions``. Every output partition is an
+# extract task that Dask's scheduler places, pins and tracks: at its
+# documented ~1 ms of overhead per task (Dask's best practices), 100,000
+# extracts cost minutes of scheduler time before any data moves, and a
+# partition of the ~100 MB Dask recommends makes that 10 TB of output.
+# Past it a graph is far more likely a mistake (npartitions=10**6 on a
+# 2,000-row frame) than a plan.
+DEFAULT_MAX_NPARTITIONS = 100_000
+
+# The graph limit is registered with the options, so that dask.config lists it.
+dask.config.update_defaults({"mpshuffle": {**Options().as_dict(), "max-npartitions": DEFAULT_MAX_NPARTITIONS}})
 
 # Options whose value None means something (rather than "not given").
 _NONE_IS_A_VALUE = ("spill_dir", "pool_size")
@@ -49,7 +59,8 @@ def resolve_options(**overrides: Any) -> Options:
     names = Options.names()
     raw: dict[str, Any] = {}
     for key, value in (dask.config.get("mpshuffle", default={}) or {}).items():
-        raw[key.replace("-", "_")] = value
+        if key.replace("-", "_") not in _GRAPH_LIMITS:  # read where graphs are built
+            raw[key.replace("-", "_")] = value
     for key, value in overrides.items():
         if value is not None or key in _NONE_IS_A_VALUE:
             raw[key.replace("-", "_")] = value
@@ -60,3 +71,36 @@ def resolve_options(**overrides: Any) -> Options:
             f"valid options are: {', '.join(names)}"
         )
     return Options(**raw)
+
+
+# Limits on the graphs that the client builds, read there (not generation
+# options: the workers never see them).
+_GRAPH_LIMITS = ("max_npartitions",)
+
+
+
+def max_npartitions() -> int:
+    """The most output partitions a shuffle graph may have (``mpshuffle.max-npartitions``).
+
+    Returns
+    -------
+    int
+        The limit, >= 1; by default :data:`DEFAULT_MAX_NPARTITIONS`.
+
+    Raises
+    ------
+    OptionError
+        If the configured value is not a whole number >= 1.
+    """
+    value = dask.config.get("mpshuffle.max-npartitions", default=None)
+    if value is None:
+        value = dask.config.get("mpshuffle.max_npartitions", default=DEFAULT_MAX_NPARTITIONS)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}")
+    try:
+        n = int(value)
+    except ValueError:
+        raise OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}") from None
+    if n < 1 or n != float(value):
+        raise OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}")
+    return n

@@ -10,12 +10,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
+import dask
 import dask.dataframe as dd
 import pandas as pd
+import pytest
+from dask.base import collections_to_expr, tokenize
 from distributed import Client, LocalCluster
 
-from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, shuffle
+from mpshuffle.config import resolve_options
+from mpshuffle.dask import (
+    bootstrap_dask_cluster,
+    get_worker_context,
+    merge,
+    set_index,
+    shuffle,
+    sort_values,
+)
+from mpshuffle.errors import OptionError
 
 
 def _frame(n: int = 400) -> pd.DataFrame:
@@ -88,3 +101,63 @@ def test_a_generation_bootstrapped_after_a_worker_left_keeps_the_users_options(
         assert {o[1] for o in _options_everywhere(client)} == {9.0}
     finally:
         bootstrap_dask_cluster(client)  # the config's options for the module's next tests
+
+
+# -- 6. what a graph may cost ------------------------------------------------------
+
+
+def _small() -> dd.DataFrame:
+    return dd.from_pandas(_frame(2000), npartitions=4)
+
+
+def _never(part: pd.DataFrame) -> pd.DataFrame:
+    raise AssertionError("an input partition was computed while the graph was built")
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "merge", "sort_values", "set_index"])
+def test_an_absurd_npartitions_is_refused_at_once_naming_the_limit(kind: str) -> None:
+    """Issue 18 fault 6: npartitions=10**6 on a 2,000-row frame was accepted without a word."""
+    df = _small().map_partitions(_never, meta=_frame(0))  # sampling it would fail differently
+    calls: dict[str, Callable[[], Any]] = {
+        "shuffle": lambda: shuffle(df, "k", npartitions=10**6),
+        "merge": lambda: merge(df, df, on="k", npartitions=10**6),
+        "sort_values": lambda: sort_values(df, "v", npartitions=10**6),
+        "set_index": lambda: set_index(df, "v", npartitions=10**6),
+    }
+    with pytest.raises(ValueError) as info:
+        calls[kind]()
+    message = str(info.value)
+    assert "npartitions=1000000 is more than mpshuffle.max-npartitions (100000)" in message
+    assert "dask.config.set({'mpshuffle.max-npartitions': 1000000})" in message
+
+
+def test_the_limit_is_inclusive_and_can_be_raised() -> None:
+    df = _small()
+    assert shuffle(df, "k", npartitions=100_000).npartitions == 100_000
+    with pytest.raises(ValueError, match="more than mpshuffle.max-npartitions"):
+        shuffle(df, "k", npartitions=100_001)
+    with dask.config.set({"mpshuffle.max-npartitions": 150_000}):
+        assert shuffle(df, "k", npartitions=150_000).npartitions == 150_000
+        # A graph limit, not a generation option: the workers never see it.
+        assert resolve_options() == resolve_options(timeout=300)
+    with dask.config.set({"mpshuffle.max-npartitions": "many"}), pytest.raises(OptionError, match="max-npartitions"):
+        shuffle(df, "k", npartitions=2)
+
+
+def test_the_output_collection_is_tokenized_without_its_tasks() -> None:
+    """Dask tokenized every task of the layer at compute time (~140 us each; minutes for 10**6).
+
+    The keys' name already holds a token of what the graph is made of.
+    Counted: the sequences Dask normalizes while tokenizing (one or more per
+    task when it walks the layer).
+    """
+    out = shuffle(_small(), "k", npartitions=2000)
+    seq = dask.tokenize._normalize_seq_func
+    with mock.patch("dask.tokenize._normalize_seq_func", wraps=seq) as walked:
+        collections_to_expr([out])  # what compute() does first
+    assert walked.call_count < 50
+    # Distinct shuffles still get distinct tokens.
+    assert tokenize(out.expr) != tokenize(shuffle(_small(), "k", npartitions=1999).expr)
+    assert tokenize(out.expr) != tokenize(shuffle(_small(), "v", npartitions=2000).expr)
+    assert tokenize(out.expr) == tokenize(shuffle(_small(), "k", npartitions=2000).expr)
+

@@ -25,6 +25,7 @@ from typing import Any, cast
 import numpy as np
 from dask.base import tokenize
 
+from mpshuffle.config import max_npartitions
 from mpshuffle.dask.runtime import LocalRuntime, RunInfo, Runtime
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.shuffler.context import WorkerContext
@@ -84,19 +85,29 @@ class ShuffleSpec:
 
 
 def check_npartitions(npartitions: Any) -> int:
-    """Return ``npartitions`` as an ``int`` >= 1.
+    """Return ``npartitions`` as an ``int`` in ``[1, mpshuffle.max-npartitions]``.
 
     Raises
     ------
     TypeError
         If it is not an integer (a float such as ``2.7``, a bool, a string).
     ValueError
-        If it is < 1.
+        If it is < 1, or above ``mpshuffle.max-npartitions`` (100,000 by
+        default; see :func:`mpshuffle.config.max_npartitions` for why): the
+        message names the limit and how to raise it.
     """
     if isinstance(npartitions, bool) or not isinstance(npartitions, (int, np.integer)):
         raise TypeError(f"npartitions must be an integer, got {npartitions!r}")
     if npartitions < 1:
         raise ValueError(f"npartitions must be >= 1, got {npartitions}")
+    limit = max_npartitions()
+    if npartitions > limit:
+        raise ValueError(
+            f"npartitions={int(npartitions)} is more than mpshuffle.max-npartitions ({limit}): every "
+            "output partition is a task that Dask's scheduler places and tracks (about 1 ms each), "
+            "so the graph alone would take minutes before any data moves. If you mean it, raise "
+            f"the limit: dask.config.set({{'mpshuffle.max-npartitions': {int(npartitions)}}})"
+        )
     return int(npartitions)
 
 

@@ -31,7 +31,7 @@ from dask.base import tokenize
 
 from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.dataframe import _collection, _skip_aliases, _warm_up
-from mpshuffle.dask.graph import shuffle_graph
+from mpshuffle.dask.graph import check_npartitions, shuffle_graph
 
 __all__ = ["RangePartitioner", "set_index", "sort_values"]
 
@@ -241,10 +241,8 @@ def _as_list(keys: Any) -> list[Any]:
 
 
 def _target(df: dd.DataFrame, npartitions: int | None) -> int:
-    n = df.npartitions if npartitions is None else int(npartitions)
-    if n < 1:
-        raise ValueError(f"npartitions must be >= 1, got {npartitions}")
-    return n
+    # Checked before the sample is computed, so a bad value costs nothing.
+    return check_npartitions(df.npartitions if npartitions is None else npartitions)
 
 
 def _sample(part: pd.DataFrame, column: Any, size: int) -> pd.DataFrame:
