@@ -161,3 +161,12 @@ def test_the_output_collection_is_tokenized_without_its_tasks() -> None:
     assert tokenize(out.expr) != tokenize(shuffle(_small(), "v", npartitions=2000).expr)
     assert tokenize(out.expr) == tokenize(shuffle(_small(), "k", npartitions=2000).expr)
 
+
+def test_a_shuffle_built_before_the_cluster_has_workers_runs_once_they_come() -> None:
+    """An adaptive cluster starts without workers: building the graph must not need them."""
+    pdf = _frame()
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+        out = shuffle(dd.from_pandas(pdf, npartitions=3), "k", npartitions=4)
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=60)
+        _check(out.compute(), pdf)

@@ -203,6 +203,7 @@ def _warm_up() -> None:
 
     from mpshuffle.config import resolve_options
     from mpshuffle.dask.bootstrap import register_plugins
+    from mpshuffle.errors import BootstrapError
 
     options = resolve_options()
     register_plugins(client)
@@ -210,7 +211,13 @@ def _warm_up() -> None:
     # bootstrapped with (spill_host=...) must be kept, also for a generation
     # bootstrapped after the last one was retired (a worker left, a rank timed
     # out), not replaced by the dask.config defaults.
-    client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(options))
+    try:
+        client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(options))
+    except BootstrapError:
+        # No workers yet (an adaptive cluster) or one that does not answer:
+        # building the graph must not fail for it. The first task bootstraps,
+        # and reports a failure then, in the bootstrap phase.
+        pass
 
 
 async def _warm_up_generation(options: dict[str, Any], dask_scheduler: Any = None) -> dict[str, Any]:
