@@ -7,8 +7,10 @@ events, signals a worker sends itself, and subclasses — never by sleeping.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -170,3 +172,77 @@ def test_a_shuffle_built_before_the_cluster_has_workers_runs_once_they_come() ->
         cluster.scale(2)
         client.wait_for_workers(2, timeout=60)
         _check(out.compute(), pdf)
+
+
+# -- 5. a dead worker's spill files --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster3() -> Iterator[LocalCluster]:
+    with LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+def client3(cluster3: LocalCluster) -> Iterator[Client]:
+    with Client(cluster3) as c:
+        c.wait_for_workers(3, timeout=60)
+        yield c
+
+
+def _swallow_finish(src: int, dask_worker=None) -> None:  # type: ignore[no-untyped-def]
+    """Fault injection: this rank drops the finish counts of rank ``src``, so its extracts wait."""
+    ctx = get_worker_context(dask_worker)
+    deliver = ctx._on_message
+    dask_worker.mpshuffle_swallowed = 0
+
+    def handler(s: int, tag: Any, frames: Any) -> None:
+        if tag[2] == "finish" and s == src:
+            dask_worker.mpshuffle_swallowed += 1
+            return
+        deliver(s, tag, frames)
+
+    ctx.comm.register_handler("mps", handler)
+
+
+def _barrier_done(dask_scheduler):  # type: ignore[no-untyped-def]
+    return any(
+        isinstance(k, str) and k.startswith("mpshuffle-barrier") and ts.state == "memory"
+        for k, ts in dask_scheduler.tasks.items()
+    )
+
+
+def _workers(client: Client) -> list[str]:
+    return client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["mpshuffle"].generation.workers))
+
+
+def test_a_killed_workers_spill_files_are_removed_and_the_retry_is_exact(client3: Client, tmp_path: Any) -> None:
+    """Issue 18 fault 5: a worker SIGKILLed mid-shuffle left its spill directory on a shared disk.
+
+    Every chunk spills (a host budget of 2 bytes) into one shared
+    ``spill_dir``; rank 1 misses rank 0's finish count, so its extracts wait
+    with its files on disk, and is killed. Dask's retry bootstraps a new
+    generation, whose bootstrap removes the dead rank's files (and only
+    those: the survivors' runs are live).
+    """
+    bootstrap_dask_cluster(client3, timeout=30, spill_dir=str(tmp_path), spill_host=2)
+    try:
+        workers = _workers(client3)
+        victim = workers[1]
+        client3.run(_swallow_finish, 0, workers=[victim])
+        pdf = _frame(3000)
+        fut = client3.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6))
+        _wait_for(lambda: client3.run_on_scheduler(_barrier_done), "the barrier to finish")
+        dead_rank = [n for n in os.listdir(tmp_path) if n.endswith("-r1")]
+        assert dead_rank and os.listdir(tmp_path / dead_rank[0])  # its spilled chunks
+        pid = client3.run(os.getpid, workers=[victim])[victim]
+        os.kill(pid, signal.SIGKILL)
+        _check(fut.result(timeout=60), pdf)
+        del fut
+        # The retry's runs ended too: nothing of any generation is left.
+        _wait_for(lambda: not [n for n in os.listdir(tmp_path) if n.startswith("mpshuffle")], "the spill dir to empty")
+    finally:
+        client3.wait_for_workers(3, timeout=60)
+        bootstrap_dask_cluster(client3)

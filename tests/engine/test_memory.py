@@ -193,7 +193,7 @@ def test_failed_run_frees_its_spill_files(tmp_path: Any) -> None:
     res = BufferResource({MemoryType.HOST: 1}, spill_dir=str(tmp_path), spill_prefix="mpshuffle-g")
     s = Shuffler(comm, 9, resource=res, timeout=5)  # type: ignore[arg-type]
     s.postbox.add(0, (0, 0, 0), _piece(range(100)))
-    assert os.listdir(tmp_path) == ["mpshuffle-g-op9-r0"]
+    assert sorted(os.listdir(tmp_path)) == ["mpshuffle-g-op9-r0", "mpshuffle-g-op9-r0.lock"]  # and its owner's lock
     s.fail(ShuffleError("peer lost"))
     assert os.listdir(tmp_path) == []
     with pytest.raises(ShuffleError, match="peer lost"):

@@ -17,6 +17,7 @@ from mpshuffle.comm.tcp import TcpCommunicator
 from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
 from mpshuffle.dask.runtime import RunInfo
 from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
+from mpshuffle.memory.spill import remove_orphans
 from mpshuffle.options import Options
 from mpshuffle.shuffler.context import WorkerContext
 from mpshuffle.table import partition_owner
@@ -157,6 +158,10 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             except BaseException:
                 await asyncio.to_thread(comm.close)
                 raise
+            # Spill directories of workers that died mid-shuffle (SIGKILL, OOM)
+            # stay on a shared or custom disk: the next bootstrap on that
+            # directory removes those whose owner's lock is gone.
+            await asyncio.to_thread(remove_orphans, options.spill_dir or self.worker.local_directory)
             self.contexts[generation] = WorkerContext(
                 comm,
                 generation,

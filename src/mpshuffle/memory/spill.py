@@ -7,20 +7,35 @@ of :data:`ALIGNMENT` bytes, so that reading a partition back is one
 ``readinto`` of the whole file into one aligned buffer and every piece is a
 zero-copy slice of it. No row is looked at on the way out or back; the small
 per-piece metadata stays in memory with the postbox's index.
+
+Ownership. Before a directory is created, its owner takes an exclusive
+``flock`` on a sibling lock file ``<directory>.lock`` and holds it until the
+directory is removed; the kernel releases it when the owner's process dies,
+however it dies. :func:`remove_orphans` removes the directories (and lock
+files) whose lock nobody holds: those of workers that were killed or
+crashed before they could clean up. A live run's directory is never
+removed: its lock is held for as long as it exists.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 
 from mpshuffle.errors import SpillError
 
-__all__ = ["ALIGNMENT", "SpillDirectory"]
+__all__ = ["ALIGNMENT", "SpillDirectory", "remove_orphans"]
+
+logger = logging.getLogger(__name__)
+
+LOCK_SUFFIX = ".lock"
 
 # Arrow's buffers are 64-byte aligned; keeping spilled buffers on that
 # boundary lets readers use them in place instead of realigning (copying).
@@ -62,6 +77,7 @@ class SpillDirectory:
         self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._removed = False
+        self._owner_fd: int | None = None
 
     def _error(self, action: str, e: OSError) -> SpillError:
         who = f" on {self.owner}" if self.owner else ""
@@ -102,6 +118,8 @@ class SpillDirectory:
             offset = self._sizes.get(partition_id, 0)
             pad = (-offset) % ALIGNMENT
             try:
+                if self._owner_fd is None:
+                    self._owner_fd = _own(self.path)
                 os.makedirs(self.path, exist_ok=True)
                 with open(self._file(partition_id), "ab") as f:
                     if pad:
@@ -155,6 +173,9 @@ class SpillDirectory:
             self._sizes.clear()
             self.nbytes = 0
             shutil.rmtree(self.path, ignore_errors=True)
+            if self._owner_fd is not None:
+                _disown(self.path, self._owner_fd)
+                self._owner_fd = None
 
     def _file(self, partition_id: int) -> str:
         return os.path.join(self.path, f"part-{partition_id}.bin")
@@ -168,3 +189,155 @@ def _write_all(f: object, view: memoryview) -> None:
         if n is None or n <= 0:
             raise OSError(errno.EIO, "short write")
         written += n
+
+
+def _own(path: str) -> int:
+    """Take the lock that marks ``path`` as owned by this process; returns its file descriptor.
+
+    Taken before ``path`` is created. A cleaner may unlink a lock file it
+    found unheld between our open and our flock: then the inode we locked is
+    no longer the file's, so open again.
+    """
+    lock_path = path + LOCK_SUFFIX
+    while True:
+        os.makedirs(os.path.dirname(lock_path) or ".", exist_ok=True)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            continue  # a nested directory's parent was removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(lock_path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # unlinked by a cleaner after we locked it: try again
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _disown(path: str, fd: int) -> None:
+    # Unlinked while still locked, so no cleaner can take it for an orphan's.
+    try:
+        os.unlink(path + LOCK_SUFFIX)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def _held_by_someone(lock_path: str) -> int | None:
+    """Lock ``lock_path`` if nobody holds it: its descriptor, or ``None`` if it is held."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return -1  # no lock file: nobody can hold it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+# Seconds a directory without any lock file is left alone: a device run's
+# nested outbox creates its parent just before its own lock inside it.
+LOCKLESS_GRACE = 60.0
+
+
+def remove_orphans(spill_dir: str, prefix: str = "mpshuffle-") -> list[str]:
+    """Remove the spill directories under ``spill_dir`` whose owner is gone.
+
+    A directory ``<spill_dir>/<prefix>...`` is an orphan when no process
+    holds its lock file ``<directory>.lock`` nor the lock of any directory
+    nested in it (a device run's ``outbox``): its worker was killed or
+    crashed mid-shuffle. A directory without any lock file (left by an
+    older version, or a nested directory's parent a moment before its lock)
+    counts as an orphan once it is :data:`LOCKLESS_GRACE` seconds old.
+    Orphans are removed with their lock files; lock files without a
+    directory whose lock nobody holds go too. Directories of
+    live runs — of this process or any other on any host that shares the
+    disk and honours ``flock`` — are left alone.
+
+    Parameters
+    ----------
+    spill_dir
+        The directory to clean (a worker's ``spill_dir``).
+    prefix
+        Start of the names of mpshuffle's spill directories.
+
+    Returns
+    -------
+    list of str
+        The directories removed. Each removal is logged at WARNING with the
+        bytes it freed.
+    """
+    try:
+        names = os.listdir(spill_dir)
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        path = os.path.join(spill_dir, name)
+        if not name.startswith(prefix):
+            continue
+        if name.endswith(LOCK_SUFFIX):
+            if not os.path.isdir(path[: -len(LOCK_SUFFIX)]):
+                fd = _held_by_someone(path)
+                if fd is not None and fd >= 0:
+                    _disown(path[: -len(LOCK_SUFFIX)], fd)
+            continue
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        fds = _take_all(path)
+        if fds is None:
+            continue  # a live run's
+        if all(fd < 0 for _, fd in fds) and not _older_than(path, LOCKLESS_GRACE):
+            continue
+        try:
+            nbytes = _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            logger.warning(
+                "mpshuffle: removed spill directory %s (%d bytes) left by a worker that is gone", path, nbytes
+            )
+        finally:
+            for lock_path, fd in fds:
+                if fd >= 0:
+                    _disown(lock_path[: -len(LOCK_SUFFIX)], fd)
+    return removed
+
+
+def _take_all(path: str) -> list[tuple[str, int]] | None:
+    """Lock ``path``'s own lock and every lock nested in it; ``None`` (nothing held) if any is held."""
+    locks = [path + LOCK_SUFFIX]
+    for root, _dirs, files in os.walk(path):
+        locks.extend(os.path.join(root, f) for f in files if f.endswith(LOCK_SUFFIX))
+    taken: list[tuple[str, int]] = []
+    for lock_path in locks:
+        fd = _held_by_someone(lock_path)
+        if fd is None:
+            for _, other in taken:
+                if other >= 0:
+                    os.close(other)
+            return None
+        taken.append((lock_path, fd))
+    return taken
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def _older_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.stat(path).st_mtime > seconds
+    except OSError:
+        return False
