@@ -30,7 +30,7 @@ from mpshuffle.dask import (
     shuffle,
     sort_values,
 )
-from mpshuffle.errors import OptionError
+from mpshuffle.errors import OptionError, ShuffleError
 
 
 def _frame(n: int = 400) -> pd.DataFrame:
@@ -246,3 +246,96 @@ def test_a_killed_workers_spill_files_are_removed_and_the_retry_is_exact(client3
     finally:
         client3.wait_for_workers(3, timeout=60)
         bootstrap_dask_cluster(client3)
+
+
+# -- 2/3. a rank that stops answering -----------------------------------------------
+
+
+def _freeze_in(method: str, pidfile: str, dask_worker=None) -> None:  # type: ignore[no-untyped-def]
+    """Fault injection: the first ``Shuffler.<method>`` call on this worker stops its process.
+
+    The process sends itself SIGSTOP (as a stopped or swapped-out host
+    would be): no thread runs, no heartbeat, no socket is read. It writes
+    its pid and address first, for the test to find and resume it.
+    """
+    from mpshuffle.shuffler import host
+
+    real = getattr(host.Shuffler, method)
+    setattr(host.Shuffler, f"_real_{method}", real)
+
+    def frozen(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        setattr(host.Shuffler, method, real)
+        with open(pidfile + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {dask_worker.address}")
+        os.rename(pidfile + ".tmp", pidfile)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, *args, **kwargs)
+
+    setattr(host.Shuffler, method, frozen)
+
+
+def _thaw(method: str) -> None:
+    from mpshuffle.shuffler import host
+
+    real = getattr(host.Shuffler, f"_real_{method}", None)
+    if real is not None:
+        setattr(host.Shuffler, method, real)
+
+
+def _runs(dask_scheduler):  # type: ignore[no-untyped-def]
+    return len(dask_scheduler.plugins["mpshuffle"].runs)
+
+
+@pytest.mark.parametrize("phase", ["insert", "barrier", "extract"])
+def test_a_stopped_rank_fails_the_shuffle_within_timeout_naming_it(
+    client3: Client, tmp_path: Any, phase: str
+) -> None:
+    """Issue 18 faults 2 and 3: a stopped rank left a shuffle without an answer well past timeout.
+
+    Stopped while it inserts, while it runs the barrier task, or while it
+    extracts, nothing else may be left to time out: the client must still
+    get an error within ``timeout`` (+ the watch's ~1 s) naming the phase,
+    the stopped rank and its worker. Resumed, the cluster shuffles exactly.
+    """
+    timeout = 3.0
+    bootstrap_dask_cluster(client3, timeout=timeout)
+    pdf = _frame(900)
+    # A first shuffle compiles the insert's kernels on every worker: a worker
+    # busy compiling holds the GIL and misses heartbeats, like a stopped one.
+    _check(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6).compute(), pdf)
+    workers = _workers(client3)
+    pidfile = str(tmp_path / "frozen")
+    # The barrier task runs where the scheduler puts it: every rank is armed.
+    armed = workers if phase == "barrier" else [workers[1]]
+    client3.run(_freeze_in, phase, pidfile, workers=armed)
+    frozen_pid = None
+    try:
+        fut = client3.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6))
+        _wait_for(lambda: os.path.exists(pidfile), "a rank to stop")
+        stopped = time.monotonic()
+        with open(pidfile) as f:
+            pid, address = f.read().split()
+        frozen_pid = int(pid)
+        with pytest.raises(ShuffleError) as info:
+            fut.result(timeout=timeout + 30)
+        waited = time.monotonic() - stopped
+        rank = workers.index(address)
+        message = str(info.value)
+        # From the scheduler's watch ("insert phase: rank 1 (worker ...) stopped
+        # answering") or from a healthy rank whose wait ended first ("insert
+        # phase on rank 2 (...): rank 1 (worker ...) did not take a chunk"):
+        # either way the phase, and the stopped rank and its worker.
+        assert message.startswith(f"{phase} phase"), message
+        blamed = f"rank {rank} (worker {address})"
+        assert blamed in message.split(":", 1)[1], message
+        assert waited < timeout + 3, waited
+        del fut
+    finally:
+        if frozen_pid is not None:
+            os.kill(frozen_pid, signal.SIGCONT)
+        client3.run(_thaw, phase)
+    _wait_for(lambda: client3.run_on_scheduler(_runs) == 0, "the failed run to end")
+    # The next shuffle bootstraps a new generation with the same options and is exact.
+    _check(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5).compute(), pdf)
+    assert {o[1] for o in _options_everywhere(client3)} == {timeout}
+    bootstrap_dask_cluster(client3)

@@ -53,6 +53,7 @@ from mpshuffle.dask.messages import (
     RunBinding,
     Verdict,
 )
+from mpshuffle.dask.watchdog import RankWatch
 from mpshuffle.errors import BootstrapError, OptionError
 from mpshuffle.table import partition_owner
 
@@ -145,6 +146,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._lock = asyncio.Lock()
+        # A rank that stops answering fails its runs within their timeout.
+        self._watch = RankWatch(self)
+        self._watch.start()
         scheduler.handlers["mpshuffle_publish_root"] = self.publish_root
         scheduler.handlers["mpshuffle_get_root"] = self.get_root
         scheduler.handlers["mpshuffle_get_run"] = self.get_run
@@ -152,6 +156,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers["mpshuffle_restart_run"] = self.restart_run
 
     async def close(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop()
         if self.scheduler is not None:
             for name in (
                 "mpshuffle_publish_root", "mpshuffle_get_root", "mpshuffle_get_run",
@@ -363,6 +370,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 self.generation = None
             if run.error is None:
                 run.error = f"shuffle op {run.op_id}: a rank of generation {gen.id} lost its communicator"
+                # No restart will come: later questions get the verdict at once.
+                run.ended.set()
                 self._broadcast(
                     gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
                 )
