@@ -343,6 +343,14 @@ class Communicator(abc.ABC):
             with self._lock:
                 if self._unstarted.pop(outer, None) is None:
                     return  # failed by _stop_progress already
+                accepting = self._accepting
+            if not accepting:
+                # Closing: the tasks to cancel were collected already, so a
+                # task started now could be left pending on a stopped loop.
+                coro.close()
+                if not outer.done():
+                    outer.set_exception(self._closed_error(what))
+                return
             if not outer.set_running_or_notify_cancel():
                 coro.close()
                 return
@@ -357,7 +365,8 @@ class Communicator(abc.ABC):
             with self._lock:
                 self._unstarted.pop(outer, None)
             coro.close()
-            outer.set_exception(self._closed_error(what))
+            if not outer.done():  # _stop_progress may have failed it first
+                outer.set_exception(self._closed_error(what))
         return outer
 
     def _cancel_if_cancelled(self, task: asyncio.Task[Any], outer: concurrent.futures.Future[Any]) -> None:
