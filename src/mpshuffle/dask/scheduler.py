@@ -73,6 +73,10 @@ logger = logging.getLogger(__name__)
 # the missing ranks) arrive before the scheduler gives up on them.
 _BOOTSTRAP_GRACE = 5.0
 
+# Seconds between looks at the workers' heartbeats while a task waits for
+# the verdict on a lost peer.
+_VERDICT_POLL = 0.25
+
 # How many ended runs the plugin remembers for late questions of their tasks.
 _ENDED_RUNS = 1024
 
@@ -357,10 +361,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         run = self._by_op.get(op_id)
         if run is None:
             return Verdict(restart=False).to_msg()
-        try:
-            await asyncio.wait_for(run.ended.wait(), timeout)
-        except TimeoutError:
-            pass
+        await self._await_verdict(run, timeout)
         assert self.scheduler is not None
         alive = [w for w in run.generation.workers if w in self.scheduler.workers]
         if not run.restarted:
@@ -376,6 +377,32 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                     gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
                 )
         return Verdict(run.restarted, tuple(alive)).to_msg()
+
+    async def _await_verdict(self, run: _Run, timeout: float) -> None:
+        """Wait until ``run`` was restarted or ended, or no restart can come, at most ``timeout`` s.
+
+        A restart comes when a worker of the run's generation leaves (a dead
+        process closes its connection to the scheduler at once). Once every
+        worker of the generation has heartbeated since the question was
+        asked, all are alive: the lost peer is a broken link, not a dead
+        worker, and waiting longer only delays the error.
+        """
+        from distributed.metrics import time as scheduler_time
+
+        assert self.scheduler is not None
+        asked, loop = scheduler_time(), asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not run.ended.is_set():
+            states = [self.scheduler.workers.get(w) for w in run.generation.workers]
+            if all(ws is not None and ws.last_seen > asked for ws in states):
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(run.ended.wait(), min(remaining, _VERDICT_POLL))
+            except TimeoutError:
+                pass
 
     async def restart_run(self, op_id: int, reason: str) -> dict[str, Any]:
         """Handler: a task of run ``op_id`` cannot go on with that run; compute it again.

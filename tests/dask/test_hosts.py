@@ -1,0 +1,135 @@
+"""Workers on different addresses, and a link cut mid-shuffle (issue 18).
+
+Each worker binds its own loopback address (127.0.0.2, .3, .4: Linux routes
+all of 127.0.0.0/8 to the loopback interface, no root needed), so every rank
+listens on, and is reached at, an address of its own, as on separate hosts.
+Ranks on one machine would exchange large messages through /dev/shm; here
+that is turned off (``shared_memory=False``), as between hosts. The workers run in this process so
+that a test can cut one link (abort one rank's socket) at a chosen message.
+
+Separate network stacks proper (one network namespace per worker, veth
+pairs, ``ip link set ... down``) need root and ``ip netns``; not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+from distributed import Client, Scheduler, Worker
+
+from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, shuffle
+from mpshuffle.errors import ShuffleError
+
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+def _frame(n: int = 3000) -> pd.DataFrame:
+    return pd.DataFrame({"k": [i % 101 for i in range(n)], "v": range(n)})
+
+
+def _exact(out: pd.DataFrame, expected: pd.DataFrame) -> None:
+    got = out.sort_values("v").reset_index(drop=True)[["k", "v"]]
+    pd.testing.assert_frame_equal(got, expected.reset_index(drop=True)[["k", "v"]])
+
+
+def _comm_host(dask_worker: Any) -> str:
+    ctx = get_worker_context(dask_worker)
+    return str(ctx.comm.addresses[ctx.rank])
+
+
+def _on_hosts(test: Callable[[Client], Awaitable[None]]) -> None:
+    """Run ``test(client)`` against a scheduler and one worker on each of :data:`HOSTS`."""
+
+    async def main() -> None:
+        async with Scheduler(host="127.0.0.1", port=0, dashboard_address=":0") as scheduler:
+            workers = [Worker(scheduler.address, host=h, nthreads=1, memory_limit="2GiB") for h in HOSTS]
+            await asyncio.gather(*workers)
+            try:
+                async with Client(scheduler.address, asynchronous=True) as client:
+                    await test(client)
+            finally:
+                await asyncio.gather(*(w.close() for w in workers))
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_their_own_addresses_shuffle_exactly() -> None:
+    _on_hosts(_shuffle_across_hosts)
+
+
+async def _shuffle_across_hosts(client: Client) -> None:
+    gen = await bootstrap_dask_cluster(client, timeout=20, shared_memory=False)
+    assert sorted(a.split("//")[1].rsplit(":", 1)[0] for a in gen.ranks) == list(HOSTS)
+    listening = await client.run(_comm_host)
+    for worker, address in listening.items():
+        # Each rank listens on its worker's own address, not on 127.0.0.1.
+        assert address.split("//")[1].rsplit(":", 1)[0] == worker.split("//")[1].rsplit(":", 1)[0]
+    pdf = _frame()
+    out = await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=7))
+    _exact(out, pdf)
+    sent = await client.run(lambda dask_worker: get_worker_context(dask_worker).comm.bytes_sent)
+    shared = await client.run(lambda dask_worker: get_worker_context(dask_worker).comm.bytes_sent_shared)
+    assert all(n > 0 for n in sent.values())  # every rank sent over its sockets
+    assert set(shared.values()) == {0}  # and nothing through /dev/shm
+
+
+def _cut_after_first_chunk(src: int, dask_worker: Any = None) -> None:
+    """Fault injection: when the first chunk from rank ``src`` arrives, abort the socket it came on.
+
+    The link from ``src`` to this rank breaks mid-insert, from the
+    receiving side, as a cable pulled would (no goodbye).
+    """
+    ctx = get_worker_context(dask_worker)
+    deliver = ctx._on_message
+    dask_worker.mpshuffle_cut = False
+
+    def handler(s: int, tag: Any, frames: Any) -> None:
+        if tag[2] == "chunk" and s == src and not dask_worker.mpshuffle_cut:
+            dask_worker.mpshuffle_cut = True
+            ctx.comm._inbound[src].abort()
+        deliver(s, tag, frames)
+
+    ctx.comm.register_handler("mps", handler)
+
+
+@pytest.mark.timeout(120)
+def test_a_link_cut_mid_insert_gives_the_exact_result_or_a_clear_error_in_time() -> None:
+    _on_hosts(_cut_link)
+
+
+async def _cut_link(client: Client) -> None:
+    timeout = 4.0
+    gen = await bootstrap_dask_cluster(client, timeout=timeout, shared_memory=False)
+    by_rank = {r: w for w, r in gen.ranks.items()}
+    pdf = _frame(6000)
+    # A first shuffle compiles the insert's kernels, so the timing below is the fault's.
+    _exact(await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6)), pdf)
+    await client.run(_cut_after_first_chunk, 0, workers=[by_rank[1]])
+    t0 = time.monotonic()
+    try:
+        out = await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6))
+    except ShuffleError as e:
+        waited = time.monotonic() - t0
+        message = str(e)
+        # Whichever side saw the link break first names the other: rank 0 or rank 1.
+        assert message.split(" phase", 1)[0] in ("insert", "barrier", "extract"), message
+        assert f"rank 0 (worker {by_rank[0]})" in message or f"rank 1 (worker {by_rank[1]})" in message, message
+        # A rank that saw the link break answers at once (every worker still
+        # heartbeats, so the scheduler's verdict needs no timeout); a barrier
+        # that waits for the rank beyond the cut, after one timeout.
+        assert waited < timeout + 3, waited
+    else:
+        _exact(out, pdf)  # retried: every row once
+    assert (await client.run(lambda dask_worker: getattr(dask_worker, "mpshuffle_cut", None)))[by_rank[1]]
+    # The generation whose link broke is retired; the next shuffle is exact.
+    out = await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5))
+    _exact(out, pdf)
+    after = await bootstrap_dask_cluster(client, timeout=timeout, shared_memory=False)
+    assert after.id != gen.id
