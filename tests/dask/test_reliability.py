@@ -337,5 +337,8 @@ def test_a_stopped_rank_fails_the_shuffle_within_timeout_naming_it(
     _wait_for(lambda: client3.run_on_scheduler(_runs) == 0, "the failed run to end")
     # The next shuffle bootstraps a new generation with the same options and is exact.
     _check(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5).compute(), pdf)
+    # The resumed worker is the same process, still in the cluster: the
+    # scheduler's failing of its task left its state machine consistent.
+    assert client3.run(os.getpid, workers=[address]) == {address: frozen_pid}
     assert {o[1] for o in _options_everywhere(client3)} == {timeout}
     bootstrap_dask_cluster(client3)

@@ -141,6 +141,13 @@ class RankWatch:
         plugin._broadcast(gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": error})
         exception = dumps(ShuffleTimeoutError(error, missing=(rank,)))
         stimulus_id = f"mpshuffle-silent-rank-{run.op_id}-{time.time()}"
+        if pending:
+            # The worker still runs these tasks: tell it to drop them first (as
+            # the scheduler does when it releases a processing task), so that
+            # once it answers again it cancels them before it hears that their
+            # inputs were released; otherwise its state machine refuses to drop
+            # the inputs of a task it is executing.
+            scheduler.send_all({}, {address: [{"op": "free-keys", "keys": pending, "stimulus_id": stimulus_id}]})
         for key in pending:
             ts = tasks.get(key)
             if ts is None or ts.state != "processing":
