@@ -28,8 +28,9 @@ __all__ = ["DEFAULT_MAX_NPARTITIONS", "Options", "max_npartitions", "resolve_opt
 # 2,000-row frame) than a plan.
 DEFAULT_MAX_NPARTITIONS = 100_000
 
-# The graph limit is registered with the options, so that dask.config lists it.
-dask.config.update_defaults({"mpshuffle": {**Options().as_dict(), "max-npartitions": DEFAULT_MAX_NPARTITIONS}})
+# Only the options are registered (dask.config holds exactly Options'
+# defaults); the graph limit's default lives in max_npartitions.
+dask.config.update_defaults({"mpshuffle": Options().as_dict()})
 
 # Options whose value None means something (rather than "not given").
 _NONE_IS_A_VALUE = ("spill_dir", "pool_size")

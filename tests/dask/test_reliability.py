@@ -297,7 +297,7 @@ def test_a_stopped_rank_fails_the_shuffle_within_timeout_naming_it(
     get an error within ``timeout`` (+ the watch's ~1 s) naming the phase,
     the stopped rank and its worker. Resumed, the cluster shuffles exactly.
     """
-    timeout = 3.0
+    timeout = 5.0  # long enough that a loaded machine delays no heartbeat that much
     bootstrap_dask_cluster(client3, timeout=timeout)
     pdf = _frame(900)
     # A first shuffle compiles the insert's kernels on every worker: a worker
