@@ -1,6 +1,8 @@
 """mpshuffle's Dask integration: bootstrap, shuffle graphs, DataFrame shuffles.
 
-Importing this package registers the ``df.mpshuffle`` accessor on
+Importing it makes ``"mpshuffle"`` a shuffle method of Dask's own DataFrame
+operations (see :mod:`mpshuffle.dask.method`), and registers the
+``df.mpshuffle`` accessor on
 ``dask.dataframe.DataFrame`` (:func:`~mpshuffle.dask.accessor.register_accessor`,
 through Dask's public :func:`dask.dataframe.extensions.register_dataframe_accessor`).
 Dask offers no entry point that would register an accessor without an import
@@ -14,8 +16,12 @@ from mpshuffle.dask.bootstrap import Generation, bootstrap_dask_cluster, get_wor
 from mpshuffle.dask.dataframe import shuffle
 from mpshuffle.dask.graph import ShuffleSpec, shuffle_graph
 from mpshuffle.dask.join import merge
+from mpshuffle.dask.method import install as _install_method
 from mpshuffle.dask.sort import set_index, sort_values
 from mpshuffle.dask.statistics import gather_statistics
+
+# dataframe.shuffle.method / shuffle_method="mpshuffle" for Dask's own operations.
+_install_method()
 
 __all__ = [
     "Generation",

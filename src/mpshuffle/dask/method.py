@@ -1,0 +1,298 @@
+"""mpshuffle as a shuffle method of Dask's own DataFrame operations.
+
+After ``import mpshuffle.dask`` (or ``import mpshuffle`` once ``dask.dataframe``
+is imported), one line switches Dask's shuffles to mpshuffle::
+
+    dask.config.set({"dataframe.shuffle.method": "mpshuffle"})
+    # or, per call: df.shuffle("k", shuffle_method="mpshuffle"),
+    # df.merge(other, on="k", shuffle_method="mpshuffle"), ...
+
+How Dask gets here
+------------------
+Every hash shuffle of dask-expr -- ``shuffle``, hash joins of ``merge`` and
+``join``, ``groupby(...).agg(split_out=n)``, ``drop_duplicates(split_out=n)``
+and the shuffle step of ``set_index``/``sort_values`` -- lowers to one
+abstract expression, ``dask.dataframe.dask_expr._shuffle.Shuffle``, whose
+``_lower`` picks a concrete shuffle by method name among names fixed inside
+Dask and raises ``ValueError`` for any other. Dask has no registry for
+external methods (requested in dask/dask#9521); like dask-cuda's
+explicit-comms shuffle, :func:`install` wraps ``Shuffle._lower``: for the
+method ``"mpshuffle"`` it returns :class:`MPShuffle`, for every other method
+it calls Dask's own ``_lower`` unchanged.
+
+Dask decides everything around the shuffle as it does for its own methods:
+which rows go to which output partition (Dask computes the ``_partitions``
+column -- its hash of the keys, or the range of a sort -- before the
+``Shuffle``; mpshuffle moves each row to the partition that column names, so a
+frame shuffled with ``tasks`` and one shuffled with mpshuffle are partitioned
+alike), the sample and divisions of a sort, and whether a merge is a
+broadcast join. Dask's broadcast-join test only accepts its own method
+names, so :func:`install` also wraps ``Merge.is_broadcast_join`` to answer
+for ``"mpshuffle"`` as Dask answers for ``"tasks"``.
+
+Supported versions
+------------------
+The lowering above was read and tested on dask :data:`SUPPORTED_DASK`
+(``>= lower, < upper``, the range in ``pyproject.toml``). With another dask,
+choosing the method raises :class:`UnsupportedDaskError` naming the
+versions; it never falls back to another method silently.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import dask
+import numpy as np
+
+from mpshuffle.errors import MPShuffleError
+
+__all__ = [
+    "METHOD",
+    "SUPPORTED_DASK",
+    "MPShuffle",
+    "UnsupportedDaskError",
+    "check_dask_version",
+    "install",
+    "installed",
+    "uninstall",
+]
+
+METHOD = "mpshuffle"
+"""The name to give ``dataframe.shuffle.method`` or ``shuffle_method``."""
+
+SUPPORTED_DASK = ("2025.1.0", "2026.9.0")
+"""Dask versions whose lowering this module knows: ``lower <= version < upper``."""
+
+# Column Dask assigns before every Shuffle it builds: the output partition of each row.
+_PARTITIONS = "_partitions"
+
+
+class UnsupportedDaskError(MPShuffleError, RuntimeError):
+    """The ``mpshuffle`` shuffle method was chosen on a dask whose lowering mpshuffle does not know."""
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) if not piece.isdigit() else piece
+        if not digits:
+            break
+        parts.append(int(digits))
+        if not piece.isdigit():  # 2026.9.0rc1, 2026.9.0+dev: stop at the first non-number
+            break
+    return tuple(parts)
+
+
+def check_dask_version(version: str | None = None) -> None:
+    """Raise unless ``version`` (default: the installed dask's) is in :data:`SUPPORTED_DASK`.
+
+    Parameters
+    ----------
+    version
+        A dask version string such as ``"2026.8.0"``.
+
+    Raises
+    ------
+    UnsupportedDaskError
+        If the version is outside ``[SUPPORTED_DASK[0], SUPPORTED_DASK[1])``,
+        naming both and what to do.
+    """
+    version = dask.__version__ if version is None else version
+    lower, upper = (_version_tuple(v) for v in SUPPORTED_DASK)
+    if not lower <= _version_tuple(version) < upper:
+        raise UnsupportedDaskError(
+            f"the shuffle method {METHOD!r} supports dask >= {SUPPORTED_DASK[0]} and "
+            f"< {SUPPORTED_DASK[1]} (the versions whose DataFrame lowering it was tested on); "
+            f"the installed dask is {version}. Install a supported dask "
+            f"(pip install 'dask>={SUPPORTED_DASK[0]},<{SUPPORTED_DASK[1]}'), or choose another "
+            f"shuffle method, or call mpshuffle.dask.shuffle/merge/sort_values/set_index directly."
+        )
+
+
+class _ColumnIds:
+    """Partitioner: the output partition of each row is the value of one column (Dask's ``_partitions``)."""
+
+    def __init__(self, column: Any) -> None:
+        self.column = column
+
+    def __call__(self, frame: Any) -> Any:
+        return np.asarray(frame[self.column], dtype=np.int64)
+
+    def __dask_tokenize__(self) -> tuple[str, Any]:
+        return ("mpshuffle._ColumnIds", self.column)
+
+    def __repr__(self) -> str:
+        return f"_ColumnIds({self.column!r})"
+
+
+try:
+    from dask.dataframe.dask_expr._shuffle import ShuffleBase as _ShuffleBase
+except ImportError:  # pragma: no cover - a dask without dask-expr
+    _ShuffleBase = object
+
+
+def _expr_classes() -> tuple[Any, Any, Any]:
+    from dask.dataframe.dask_expr._merge import Merge
+    from dask.dataframe.dask_expr._shuffle import Shuffle, ShuffleBase
+
+    return Shuffle, ShuffleBase, Merge
+
+
+class MPShuffle(_ShuffleBase):  # type: ignore[misc, valid-type]
+    """A lowered Dask shuffle whose tasks are mpshuffle's insert, barrier and extract tasks.
+
+    Parameters (operands)
+    ---------------------
+    frame
+        The expression to shuffle (a DataFrame; Dask turns Series into
+        frames before its shuffles).
+    partitioning_index
+        ``"_partitions"`` (Dask's column of output partition ids: each row
+        goes to the partition it names), or key columns hashed by
+        mpshuffle's hash.
+    npartitions_out
+        Number of output partitions; may be smaller or larger than the
+        input's (no repartition step is needed).
+    ignore_index
+        Drop the index (each output partition gets a ``RangeIndex``).
+    options
+        Accepted for Dask's signature; mpshuffle's options are its
+        ``mpshuffle.*`` configuration.
+    original_partitioning_index
+        The keys Dask hashed into ``_partitions`` (tells later merges the
+        output is partitioned on them).
+
+    Notes
+    -----
+    The graph is :func:`mpshuffle.dask.shuffle_graph`'s: one insert task
+    per input partition, one barrier, one extract task per output
+    partition, keyed ``mpshuffle-insert-<token>``,
+    ``mpshuffle-barrier-<token>`` and ``mpshuffle-extract-<token>`` (the
+    last is this expression's name, so its partitions are the extract
+    tasks themselves).
+    """
+
+    _parameters = [
+        "frame",
+        "partitioning_index",
+        "npartitions_out",
+        "ignore_index",
+        "options",
+        "original_partitioning_index",
+    ]
+    _defaults = {"ignore_index": False, "options": None, "original_partitioning_index": None}
+
+    def __str__(self) -> str:
+        return f"MPShuffle({self._name[-7:]})"
+
+    @functools.cached_property
+    def _name(self) -> str:
+        return f"{METHOD}-extract-{self.deterministic_token}"
+
+    @functools.cached_property
+    def _meta(self) -> Any:
+        meta = self.frame._meta
+        return meta.reset_index(drop=True) if self.ignore_index else meta
+
+    def _lower(self) -> None:
+        return None
+
+    def _layer(self) -> dict[Any, Any]:
+        from mpshuffle.dask.graph import shuffle_graph
+
+        on = list(self._partitioning_index)
+        partitioner = _ColumnIds(_PARTITIONS) if on == [_PARTITIONS] else None
+        name = self.frame._name
+        graph, keys = shuffle_graph(
+            [(name, i) for i in range(self.frame.npartitions)],
+            on=on,
+            npartitions=self.npartitions_out,
+            meta=self._meta,
+            keep_index=not self.ignore_index,
+            name=METHOD,
+            token=self.deterministic_token,
+            partitioner=partitioner,
+        )
+        assert keys[0][0] == self._name, (keys[0], self._name)
+        return graph
+
+
+
+_state: dict[str, Any] = {}
+
+
+def _resolved(method: Any) -> Any:
+    if method:
+        return method
+    from dask.utils import get_default_shuffle_method
+
+    return get_default_shuffle_method()
+
+
+def install() -> None:
+    """Make ``"mpshuffle"`` a shuffle method of dask-expr; idempotent.
+
+    Wraps ``Shuffle._lower`` and ``Merge.is_broadcast_join`` (see the module
+    docstring); other methods reach Dask's own code unchanged. Called by
+    ``import mpshuffle.dask``.
+
+    Notes
+    -----
+    On a dask without ``dask.dataframe.dask_expr`` nothing is installed, and
+    Dask itself refuses the method name (``ValueError: mpshuffle not
+    supported``).
+    """
+    if _state:
+        return
+    try:
+        Shuffle, _, Merge = _expr_classes()
+    except ImportError:  # pragma: no cover - a dask without dask-expr
+        return
+    original_lower = Shuffle.__dict__["_lower"]
+    original_broadcast = Merge.__dict__["is_broadcast_join"]
+
+    def _lower(self: Any) -> Any:
+        if _resolved(self.method) != METHOD:
+            return original_lower(self)
+        check_dask_version()
+        return MPShuffle(
+            self.frame,
+            self.partitioning_index,
+            self.npartitions_out,
+            self.ignore_index,
+            self.options,
+            self.original_partitioning_index,
+        )
+
+    def is_broadcast_join(self: Any) -> bool:
+        if _resolved(self.shuffle_method) == METHOD:
+            # Dask's test lists only its own methods; answer as it does for tasks.
+            self = self.substitute_parameters({"shuffle_method": "tasks"})
+        return bool(original_broadcast.func(self))
+
+    broadcast = functools.cached_property(is_broadcast_join)
+    broadcast.__set_name__(Merge, "is_broadcast_join")
+    _lower.__doc__ = original_lower.__doc__
+    Shuffle._lower = _lower
+    Merge.is_broadcast_join = broadcast
+    _state.update(
+        shuffle=Shuffle, lower=original_lower, merge=Merge, broadcast=original_broadcast
+    )
+
+
+def uninstall() -> None:
+    """Restore Dask's own ``Shuffle._lower`` and ``Merge.is_broadcast_join``."""
+    if not _state:
+        return
+    _state["shuffle"]._lower = _state["lower"]
+    _state["merge"].is_broadcast_join = _state["broadcast"]
+    _state.clear()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_state)
+
+

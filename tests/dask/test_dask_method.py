@@ -1,0 +1,254 @@
+"""Dask's own operations with dataframe.shuffle.method = "mpshuffle", on a LocalCluster.
+
+Each test runs one Dask operation through the config line (or
+``shuffle_method=``), checks the result against pandas, and checks in the
+scheduler's task stream that mpshuffle's tasks (keys ``mpshuffle-...``) ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import dask
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+from distributed import Client, get_task_stream
+
+import mpshuffle.dask  # noqa: F401  (makes "mpshuffle" a Dask shuffle method)
+from conftest import worker_state
+from mpshuffle.dask import method
+
+MP = {"dataframe.shuffle.method": "mpshuffle"}
+
+
+def _frames() -> tuple[pd.DataFrame, pd.DataFrame]:
+    rng = np.random.default_rng(7)
+    n = 3000
+    left = pd.DataFrame({
+        "k": rng.integers(0, 400, n),
+        "g": rng.integers(0, 50, n),
+        "v": rng.random(n),
+        "s": rng.choice(["a", "b", "c", "d"], n),
+    })
+    right = pd.DataFrame({"k": np.arange(0, 500, 2), "w": np.arange(250) * 1.5})
+    # The dtypes Dask gives these frames (strings become Arrow strings).
+    return dd.from_pandas(left, 1).compute(), dd.from_pandas(right, 1).compute()
+
+
+@contextmanager
+def _mpshuffle_ran(client: Client) -> Iterator[dict[str, int]]:
+    """Count the tasks that ran, by kind (insert/barrier/extract of mpshuffle, and others)."""
+    counts: dict[str, int] = {}
+    with get_task_stream(client) as ts:
+        yield counts
+    for t in ts.data:
+        key = t["key"]
+        name = key[0] if isinstance(key, tuple) else key
+        kind = "-".join(name.split("-")[:2]) if name.startswith("mpshuffle") else "other"
+        counts[kind] = counts.get(kind, 0) + 1
+    assert counts.get("mpshuffle-insert", 0) > 0 and counts.get("mpshuffle-extract", 0) > 0, counts
+    assert counts.get("mpshuffle-barrier", 0) > 0, counts
+
+
+def _same_rows(got: pd.DataFrame, exp: pd.DataFrame) -> None:
+    cols = list(exp.columns)
+    pd.testing.assert_frame_equal(
+        got.sort_values(cols).reset_index(drop=True), exp.sort_values(cols).reset_index(drop=True)
+    )
+
+
+def _clean(client: Client) -> None:
+    for state in client.run(worker_state).values():
+        assert state["shufflers"] == [] and state["spill"] == [], state
+
+
+def test_shuffle(client: Client) -> None:
+    left, _ = _frames()
+    df = dd.from_pandas(left, npartitions=5)
+    with dask.config.set(MP), _mpshuffle_ran(client) as ran:
+        out = df.shuffle("k", npartitions=7)
+        parts = client.compute(out.to_delayed(), sync=True)
+    assert ran["mpshuffle-extract"] == 7
+    owner: dict[int, int] = {}
+    for j, p in enumerate(parts):
+        for key in p["k"].unique():
+            assert owner.setdefault(key, j) == j  # every key in one output partition
+    pd.testing.assert_frame_equal(pd.concat(parts).sort_index(), left)  # index travels
+    _clean(client)
+
+
+def test_merge_and_join(client: Client) -> None:
+    left, right = _frames()
+    a, b = dd.from_pandas(left, npartitions=6), dd.from_pandas(right, npartitions=4)
+    for how in ("inner", "left", "right", "outer"):
+        with _mpshuffle_ran(client):
+            got = a.merge(b, on="k", how=how, shuffle_method="mpshuffle").compute()
+        _same_rows(got, left.merge(right, on="k", how=how))
+    with dask.config.set(MP), _mpshuffle_ran(client):
+        got = a.join(b.set_index("k"), on="k", how="inner").compute()
+    _same_rows(got, left.join(right.set_index("k"), on="k", how="inner"))
+    _clean(client)
+
+
+def test_broadcast_join_stays_broadcast(client: Client) -> None:
+    left, right = _frames()
+    a, b = dd.from_pandas(left, npartitions=32), dd.from_pandas(right, npartitions=2)
+    with dask.config.set(MP):
+        names = {type(e).__name__ for e in a.merge(b, on="k").optimize(fuse=False).expr.walk()}
+        got = a.merge(b, on="k").compute()
+    assert "BroadcastJoin" in names and "MPShuffle" not in names, names
+    _same_rows(got, left.merge(right, on="k"))
+    with dask.config.set({"dataframe.shuffle.method": "tasks"}):
+        tasks = {type(e).__name__ for e in a.merge(b, on="k").optimize(fuse=False).expr.walk()}
+    assert "BroadcastJoin" in tasks
+
+
+def test_groupby_split_out(client: Client) -> None:
+    left, _ = _frames()
+    df = dd.from_pandas(left, npartitions=6)
+    with dask.config.set(MP), _mpshuffle_ran(client):
+        out = df.groupby("g").agg({"v": "sum", "k": "max"}, split_out=3)
+        assert out.npartitions == 3
+        got = out.compute()
+    pd.testing.assert_frame_equal(got.sort_index(), left.groupby("g").agg({"v": "sum", "k": "max"}))
+    _clean(client)
+
+
+def test_drop_duplicates_split_out(client: Client) -> None:
+    left, _ = _frames()
+    df = dd.from_pandas(left, npartitions=6)
+    with dask.config.set(MP), _mpshuffle_ran(client):
+        got = df[["g", "s"]].drop_duplicates(split_out=4).compute()
+    _same_rows(got, left[["g", "s"]].drop_duplicates())
+
+
+def test_set_index_and_sort_values(client: Client) -> None:
+    left, _ = _frames()
+    df = dd.from_pandas(left.sample(frac=1, random_state=1), npartitions=6)
+    with dask.config.set(MP), _mpshuffle_ran(client):
+        indexed = df.set_index("v")
+        got = indexed.compute()
+    assert indexed.known_divisions
+    pd.testing.assert_frame_equal(got, left.set_index("v").sort_index())
+    with _mpshuffle_ran(client):
+        # Per partition: .compute() of a sort gathers it into one partition and sorts there.
+        out = df.sort_values(["g", "k"], shuffle_method="mpshuffle")
+        got = pd.concat(client.compute(out.to_delayed(), sync=True))
+    exp = left.sample(frac=1, random_state=1).sort_values(["g", "k"])
+    assert got[["g", "k"]].values.tolist() == exp[["g", "k"]].values.tolist()
+    _same_rows(got, exp)
+    _clean(client)
+
+
+def test_int_key_joined_to_float_key_follows_dask(client: Client) -> None:
+    a = pd.DataFrame({"k": np.arange(40), "x": np.arange(40)})
+    b = pd.DataFrame({"k": np.arange(0, 40, 2, dtype=float), "y": np.arange(20)})
+    da, db = dd.from_pandas(a, npartitions=4), dd.from_pandas(b, npartitions=3)
+    with dask.config.set(MP), warnings.catch_warnings(record=True), _mpshuffle_ran(client):
+        got = da.merge(db, on="k").compute()
+    _same_rows(got, a.merge(b, on="k"))
+
+
+def test_merge_on_index_and_shuffle_on_index_name(client: Client) -> None:
+    left, right = _frames()
+    a = dd.from_pandas(left, npartitions=5)
+    b = dd.from_pandas(right.set_index("k"), npartitions=3).clear_divisions()
+    with dask.config.set(MP), _mpshuffle_ran(client):
+        got = a.merge(b, left_on="k", right_index=True).compute()
+    _same_rows(got, left.merge(right.set_index("k"), left_on="k", right_index=True))
+    named = dd.from_pandas(left.set_index("g"), npartitions=4)
+    with dask.config.set(MP), _mpshuffle_ran(client):
+        parts = client.compute(named.shuffle("g", npartitions=3).to_delayed(), sync=True)
+    for j, p in enumerate(parts):
+        for other in parts[j + 1:]:
+            assert not set(p.index) & set(other.index)
+    pd.testing.assert_frame_equal(
+        pd.concat(parts).sort_values(["g", "k", "v"]), left.set_index("g").sort_values(["g", "k", "v"])
+    )
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_local_schedulers(scheduler: str) -> None:
+    left, right = _frames()
+    a, b = dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3)
+    with dask.config.set({**MP, "scheduler": scheduler}):
+        got = a.merge(b, on="k", how="left").compute()
+        sums = a.groupby("g").v.sum(split_out=2).compute()
+        keys = [k[0] if isinstance(k, tuple) else k for k in dict(a.shuffle("k").dask)]
+    assert any(str(k).startswith("mpshuffle-insert") for k in keys)
+    _same_rows(got, left.merge(right, on="k", how="left"))
+    pd.testing.assert_series_equal(sums.sort_index(), left.groupby("g").v.sum())
+
+
+def test_async_client(cluster: Any) -> None:
+    left, right = _frames()
+    a, b = dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3)
+
+    async def main() -> tuple[pd.DataFrame, pd.Series, pd.DataFrame, list[Any], dict[str, str]]:
+        async with Client(cluster.scheduler_address, asynchronous=True) as c:
+            with dask.config.set(MP):
+                async with get_task_stream(c) as ts:
+                    joined = await c.compute(a.merge(b, on="k", how="left"))
+                    sums = await c.compute(a.groupby("g").v.sum(split_out=2))
+                    ordered = await c.compute(a.sort_values("v"))
+            # set_index samples its divisions with dask.compute when it is built,
+            # which an asynchronous client refuses: the same error as Dask's methods.
+            errors = {}
+            for m in ("tasks", "mpshuffle"):
+                with dask.config.set({"dataframe.shuffle.method": m}):
+                    try:
+                        await c.compute(a.set_index("v"))
+                    except RuntimeError as e:
+                        errors[m] = str(e)
+            return joined, sums, ordered, [t["key"] for t in ts.data], errors
+
+    joined, sums, ordered, keys, errors = asyncio.run(main())
+    _same_rows(joined, left.merge(right, on="k", how="left"))
+    pd.testing.assert_series_equal(sums.sort_index(), left.groupby("g").v.sum())
+    pd.testing.assert_frame_equal(ordered, left.sort_values("v"))
+    names = {str(k[0] if isinstance(k, tuple) else k) for k in keys}
+    assert any(n.startswith("mpshuffle-insert") for n in names), names
+    assert errors.keys() == {"tasks", "mpshuffle"} and errors["tasks"] == errors["mpshuffle"]
+
+
+def test_other_methods_unchanged_and_reversible() -> None:
+    left, right = _frames()
+    a, b = dd.from_pandas(left, npartitions=6), dd.from_pandas(right, npartitions=5)
+
+    def graph_names() -> list[str]:
+        out = []
+        for m in ("tasks", "disk"):
+            out.append(a.shuffle("k", shuffle_method=m).optimize()._name)
+            out.append(a.merge(b, on="k", shuffle_method=m).optimize()._name)
+            out.append(a.set_index("k", shuffle_method=m).optimize()._name)
+        return out
+
+    with_hook = graph_names()
+    method.uninstall()
+    try:
+        assert not method.installed()
+        without = graph_names()
+        with pytest.raises(ValueError, match="mpshuffle not supported"):
+            a.shuffle("k", shuffle_method="mpshuffle").optimize()
+    finally:
+        method.install()
+    assert with_hook == without
+
+
+def test_unsupported_dask_version_names_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    method.check_dask_version("2026.8.0")
+    method.check_dask_version("2025.1.0")
+    for bad in ("2024.12.1", "2026.9.0", "2027.1.0"):
+        with pytest.raises(method.UnsupportedDaskError, match="2025.1.0.*2026.9.0"):
+            method.check_dask_version(bad)
+    monkeypatch.setattr(dask, "__version__", "2027.1.0")
+    df = dd.from_pandas(pd.DataFrame({"k": [1, 2, 3]}), npartitions=2)
+    with pytest.raises(method.UnsupportedDaskError, match="installed dask is 2027.1.0"):
+        df.shuffle("k", shuffle_method="mpshuffle").optimize()
+    df.shuffle("k", shuffle_method="tasks").optimize()  # other methods are not affected

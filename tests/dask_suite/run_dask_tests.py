@@ -1,0 +1,223 @@
+"""Run Dask's own shuffle, merge and groupby tests with the shuffle method switched to mpshuffle.
+
+The test modules ship in the dask wheel. This script copies them from the
+installed dask into a temporary directory, rewrites **only the choice of
+shuffle method** -- the ``shuffle_method`` fixture's parameters (in dask's
+``conftest.py``), the lists of ``@pytest.mark.parametrize("shuffle_method",
+...)`` and ``("shuffle", ...)``, and the default ``dataframe.shuffle.method``
+-- and runs pytest twice: with ``tasks`` (the baseline) and with
+``mpshuffle``. A rewritten list holds one parameter with the id ``method``,
+so a test has the same id in both runs.
+
+It exits non-zero unless every test that passes with ``tasks`` passes with
+``mpshuffle``, and unless mpshuffle's tasks really ran: a Dask callback counts
+the executed tasks whose key starts with ``mpshuffle`` in each test (all
+tests here run on Dask's local schedulers).
+
+Usage::
+
+    python tests/dask_suite/run_dask_tests.py [--json OUT] [--keep DIR] [-- PYTEST_ARGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODULES = [
+    "dataframe/tests/test_shuffle.py",
+    "dataframe/tests/test_multi.py",
+    "dataframe/dask_expr/tests/test_shuffle.py",
+    "dataframe/dask_expr/tests/test_merge.py",
+    "dataframe/dask_expr/tests/test_groupby.py",
+]
+METHODS = ("tasks", "mpshuffle")
+ENV = "MPSHUFFLE_DASK_SUITE_METHOD"
+RESULTS_ENV = "MPSHUFFLE_DASK_SUITE_RESULTS"
+
+# A parametrize list of method names: `"shuffle_method", [...]` or `"shuffle", [...]`.
+_PARAMETRIZE = re.compile(
+    r"""(parametrize\(\s*["'](?:shuffle_method|shuffle)["']\s*,\s*)\[([^\[\]]*)\]""", re.S
+)
+_FIXTURE = re.compile(r"""@pytest\.fixture\(params=\[([^\[\]]*)\]\)\s*\ndef shuffle_method\(""")
+_METHOD_NAMES = {"tasks", "disk", "p2p", "None"}
+_PARAM = 'pytest.param(__import__("os").environ["' + ENV + '"], id="method")'
+
+PLUGIN = '''
+# --- added by mpshuffle's run_dask_tests.py: the default method and the task counter ---
+import json as _json
+import os as _os
+
+import dask as _dask
+from dask.callbacks import Callback as _Callback
+
+_METHOD = _os.environ["{env}"]
+if _METHOD == "mpshuffle":
+    import mpshuffle.dask  # noqa: F401  (makes "mpshuffle" a Dask shuffle method)
+_dask.config.set({{"dataframe.shuffle.method": _METHOD}})
+
+_RESULTS = {{}}
+_CURRENT = [None]
+
+
+def _key_name(key):
+    return key[0] if isinstance(key, tuple) else key
+
+
+class _CountMPShuffleTasks(_Callback):
+    def _pretask(self, key, dsk, state):
+        name = _key_name(key)
+        if isinstance(name, str) and name.startswith("mpshuffle") and _CURRENT[0] is not None:
+            _RESULTS[_CURRENT[0]]["mpshuffle_tasks"] += 1
+
+
+_CountMPShuffleTasks().register()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    _RESULTS.setdefault(item.nodeid, {{"outcome": None, "mpshuffle_tasks": 0}})
+    _CURRENT[0] = item.nodeid
+
+
+def pytest_runtest_logreport(report):
+    entry = _RESULTS.setdefault(report.nodeid, {{"outcome": None, "mpshuffle_tasks": 0}})
+    if hasattr(report, "wasxfail"):
+        outcome = "xpassed" if report.passed else "xfailed"
+    else:
+        outcome = report.outcome
+    # A test passed if its call passed and setup/teardown did not fail.
+    if report.when == "call" or report.outcome != "passed" or entry["outcome"] is None:
+        if entry["outcome"] in (None, "passed") or outcome not in ("passed",):
+            if not (report.when == "teardown" and outcome == "passed"):
+                entry["outcome"] = outcome
+
+
+def pytest_sessionfinish(session, exitstatus):
+    with open(_os.environ["{results}"], "w") as f:
+        _json.dump(_RESULTS, f, indent=0, sort_keys=True)
+'''
+
+
+def _rewrite_lists(text: str) -> tuple[str, int]:
+    """Replace parametrize lists of method names by the one method of this run."""
+
+    def repl(m: re.Match[str]) -> str:
+        items = [s.strip().strip("\"'") for s in m.group(2).split(",") if s.strip()]
+        if not items or not set(items) <= _METHOD_NAMES:
+            return m.group(0)
+        return f"{m.group(1)}[{_PARAM}]"
+
+    return _PARAMETRIZE.subn(repl, text)
+
+
+def prepare(dask_dir: Path, out: Path) -> dict[str, int]:
+    """Copy the test modules and dask's conftest into ``out`` with the method choice rewritten.
+
+    Returns the number of rewritten lists per file.
+    """
+    counts = {}
+    for rel in MODULES:
+        text, n = _rewrite_lists((dask_dir / rel).read_text())
+        dest = out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+        counts[rel] = n
+    conftest = (dask_dir / "conftest.py").read_text()
+    conftest, n = _FIXTURE.subn(
+        f"@pytest.fixture(params=[{_PARAM}])\ndef shuffle_method(", conftest
+    )
+    if n != 1:
+        raise SystemExit("dask's conftest.py has no shuffle_method fixture to rewrite")
+    counts["conftest.py"] = n
+    (out / "conftest.py").write_text(conftest + PLUGIN.format(env=ENV, results=RESULTS_ENV))
+    (out / "pytest.ini").write_text("[pytest]\n")
+    return counts
+
+
+def run(out: Path, method: str, pytest_args: list[str]) -> tuple[dict[str, dict], float, int]:
+    results = out / f"results-{method}.json"
+    env = dict(os.environ, **{ENV: method, RESULTS_ENV: str(results)})
+    cmd = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(out / "pytest.ini"),
+        "--rootdir", str(out), "--import-mode=importlib", "-o", "addopts=", *MODULES, *pytest_args,
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    seconds = time.perf_counter() - start
+    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
+    print(f"[{method}] pytest exit {proc.returncode} in {seconds:.0f} s: {' '.join(tail)}", flush=True)
+    if not results.exists():
+        print(proc.stdout[-5000:])
+        raise SystemExit(f"the {method} run wrote no results")
+    (out / f"pytest-{method}.log").write_text(proc.stdout)
+    return json.loads(results.read_text()), seconds, proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the comparison as JSON to this file")
+    parser.add_argument("--keep", help="prepare and keep the modules in this directory")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
+    args = parser.parse_args(argv)
+
+    import dask
+
+    dask_dir = Path(dask.__file__).parent
+    out = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="mpshuffle-dask-suite-"))
+    if args.keep and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        counts = prepare(dask_dir, out)
+        print(f"dask {dask.__version__}: rewrote the method choice in {counts}", flush=True)
+        runs = {m: run(out, m, args.pytest_args) for m in METHODS}
+        base, mps = runs["tasks"][0], runs["mpshuffle"][0]
+        passed_base = sorted(k for k, v in base.items() if v["outcome"] == "passed")
+        regressions = sorted(
+            (k, mps.get(k, {}).get("outcome")) for k in passed_base
+            if mps.get(k, {}).get("outcome") != "passed"
+        )
+        ran = {k: v["mpshuffle_tasks"] for k, v in mps.items() if v["mpshuffle_tasks"]}
+        summary = {
+            "dask": dask.__version__,
+            "tests": len(base),
+            "passed_with_tasks": len(passed_base),
+            "passed_with_mpshuffle": sum(v["outcome"] == "passed" for v in mps.values()),
+            "regressions": regressions,
+            "tests_running_mpshuffle_tasks": len(ran),
+            "mpshuffle_tasks_executed": sum(ran.values()),
+            "seconds": {m: round(r[1], 1) for m, r in runs.items()},
+        }
+        for k, outcome in regressions:
+            print(f"REGRESSION {k}: passed with tasks, {outcome} with mpshuffle")
+        print(json.dumps({k: v for k, v in summary.items() if k != "regressions"}))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1))
+        if regressions:
+            print(f"{len(regressions)} test(s) pass with tasks but not with mpshuffle "
+                  f"(logs in {out})" if args.keep else "")
+            return 1
+        if not ran:
+            print("no test executed an mpshuffle task: the method switch did not take effect")
+            return 1
+        print(f"{len(passed_base)} passed, 0 failed: every test that passes with tasks passes "
+              f"with mpshuffle; {summary['mpshuffle_tasks_executed']} mpshuffle tasks ran in "
+              f"{len(ran)} tests")
+        return 0
+    finally:
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
