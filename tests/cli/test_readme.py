@@ -36,8 +36,19 @@ def test_ci_runs_the_readme_test_command_first_then_the_checks() -> None:
         assert ci.index(check) > first, check
 
 
+def test_readme_one_line_adoption_runs(tmp_path: Path) -> None:
+    first = _blocks("python")[0]
+    assert 'dask.config.set({"dataframe.shuffle.method": "mpshuffle"})' in first
+    script = tmp_path / "adoption.py"
+    script.write_text(first)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 5000 items of price 1.0 over 1000 orders of 7 customers: 143 orders for cust 0..5, 142 for 6.
+    assert eval(proc.stdout.strip().splitlines()[-1]) == [715.0] * 6 + [710.0]
+
+
 def test_readme_usage_runs(tmp_path: Path) -> None:
-    usage, options = _blocks("python")[:2]
+    usage, options = _blocks("python")[1:3]
     # The options example continues the usage example inside its `with` block.
     program = usage + textwrap.indent(options, " " * 8)
     script = tmp_path / "usage.py"

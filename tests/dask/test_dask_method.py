@@ -8,9 +8,13 @@ scheduler's task stream that mpshuffle's tasks (keys ``mpshuffle-...``) ran.
 from __future__ import annotations
 
 import asyncio
+import difflib
+import importlib.util
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -252,3 +256,43 @@ def test_unsupported_dask_version_names_the_versions(monkeypatch: pytest.MonkeyP
     with pytest.raises(method.UnsupportedDaskError, match="installed dask is 2027.1.0"):
         df.shuffle("k", shuffle_method="mpshuffle").optimize()
     df.shuffle("k", shuffle_method="tasks").optimize()  # other methods are not affected
+
+
+def test_supported_versions_are_pyproject_range() -> None:
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "pyproject.toml").read_text()
+    lower, upper = method.SUPPORTED_DASK
+    assert f'"dask[dataframe]>={lower},<{upper.removesuffix(".0")}"' in text
+    assert f'"distributed>={lower},<{upper.removesuffix(".0")}"' in text
+
+
+def test_suite_runner_rewrites_only_the_method_choice(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(
+        "run_dask_tests", Path(__file__).resolve().parents[1] / "dask_suite" / "run_dask_tests.py"
+    )
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    dask_dir = Path(dask.__file__).parent
+    counts = runner.prepare(dask_dir, tmp_path)
+    assert counts["conftest.py"] == 1 and sum(counts.values()) > 1
+    for rel in [*runner.MODULES, "conftest.py"]:
+        old = (dask_dir / rel).read_text().splitlines()
+        new = (tmp_path / rel).read_text().splitlines()
+        changed = [
+            line for line in difflib.unified_diff(old, new, lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))
+        ]
+        if rel == "conftest.py":  # the fixture's params, then the appended plugin
+            assert changed[:2] == [
+                '-@pytest.fixture(params=["disk", "tasks"])',
+                f"+@pytest.fixture(params=[{runner._PARAM}])",
+            ]
+            continue
+        removed = [line for line in changed if line.startswith("-")]
+        added = [line for line in changed if line.startswith("+")]
+        assert len(removed) == len(added) == counts[rel], rel
+        for line in removed:
+            assert re.search(r"""["'](tasks|disk|p2p)["']""", line), line
+        for line in added:
+            assert runner._PARAM in line and "parametrize" in line, line

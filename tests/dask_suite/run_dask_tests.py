@@ -45,7 +45,7 @@ RESULTS_ENV = "MPSHUFFLE_DASK_SUITE_RESULTS"
 
 # A parametrize list of method names: `"shuffle_method", [...]` or `"shuffle", [...]`.
 _PARAMETRIZE = re.compile(
-    r"""(parametrize\(\s*["'](?:shuffle_method|shuffle)["']\s*,\s*)\[([^\[\]]*)\]""", re.S
+    r"""(parametrize\(\s*["'](?:shuffle_method|shuffle)["']\s*,\s*)\[([^\[\]]*)\]""", re.DOTALL
 )
 _FIXTURE = re.compile(r"""@pytest\.fixture\(params=\[([^\[\]]*)\]\)\s*\ndef shuffle_method\(""")
 _METHOD_NAMES = {"tasks", "disk", "p2p", "None"}
@@ -84,21 +84,25 @@ _CountMPShuffleTasks().register()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    _RESULTS.setdefault(item.nodeid, {{"outcome": None, "mpshuffle_tasks": 0}})
+    _RESULTS.setdefault(item.nodeid, {{"phases": {{}}, "mpshuffle_tasks": 0, "seconds": 0.0}})
     _CURRENT[0] = item.nodeid
 
 
 def pytest_runtest_logreport(report):
-    entry = _RESULTS.setdefault(report.nodeid, {{"outcome": None, "mpshuffle_tasks": 0}})
+    entry = _RESULTS.setdefault(
+        report.nodeid, {{"phases": {{}}, "mpshuffle_tasks": 0, "seconds": 0.0}}
+    )
     if hasattr(report, "wasxfail"):
         outcome = "xpassed" if report.passed else "xfailed"
     else:
         outcome = report.outcome
-    # A test passed if its call passed and setup/teardown did not fail.
-    if report.when == "call" or report.outcome != "passed" or entry["outcome"] is None:
-        if entry["outcome"] in (None, "passed") or outcome not in ("passed",):
-            if not (report.when == "teardown" and outcome == "passed"):
-                entry["outcome"] = outcome
+    entry["phases"][report.when] = outcome
+    entry["seconds"] += report.duration
+    phases = entry["phases"]
+    if "failed" in phases.values():
+        entry["outcome"] = "failed"
+    else:
+        entry["outcome"] = phases.get("call", phases.get("setup"))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -151,7 +155,7 @@ def run(out: Path, method: str, pytest_args: list[str]) -> tuple[dict[str, dict]
         "--rootdir", str(out), "--import-mode=importlib", "-o", "addopts=", *MODULES, *pytest_args,
     ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run(cmd, check=False, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     seconds = time.perf_counter() - start
     tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
@@ -188,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             if mps.get(k, {}).get("outcome") != "passed"
         )
         ran = {k: v["mpshuffle_tasks"] for k, v in mps.items() if v["mpshuffle_tasks"]}
+        slowest = sorted(
+            ((round(v["seconds"], 2), round(base.get(k, {}).get("seconds", 0.0), 2), k)
+             for k, v in mps.items()), reverse=True,
+        )[:10]
         summary = {
             "dask": dask.__version__,
             "tests": len(base),
@@ -197,10 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             "tests_running_mpshuffle_tasks": len(ran),
             "mpshuffle_tasks_executed": sum(ran.values()),
             "seconds": {m: round(r[1], 1) for m, r in runs.items()},
+            "slowest_with_mpshuffle": slowest,
         }
         for k, outcome in regressions:
             print(f"REGRESSION {k}: passed with tasks, {outcome} with mpshuffle")
-        print(json.dumps({k: v for k, v in summary.items() if k != "regressions"}))
+        for mps_s, base_s, k in slowest:
+            print(f"slow: {mps_s:6.2f} s with mpshuffle, {base_s:6.2f} s with tasks: {k}")
+        print(json.dumps({k: v for k, v in summary.items()
+                          if k not in ("regressions", "slowest_with_mpshuffle")}))
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=1))
         if regressions:

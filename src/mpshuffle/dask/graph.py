@@ -65,6 +65,10 @@ class ShuffleSpec:
     device
         Whether the run is a device run (the meta is device data, see
         :func:`~mpshuffle.shuffler.device.is_device_meta`).
+    on_lossy_cast
+        ``"raise"`` (a column that does not fit the meta's dtype is an error)
+        or ``"keep"`` (it keeps the data's dtype, as in Dask's own shuffles;
+        pandas frames).
     """
 
     token: str
@@ -77,6 +81,7 @@ class ShuffleSpec:
     keep_index: bool = False
     partitioner: Any = None
     device: bool = False
+    on_lossy_cast: str = "raise"
 
     def __dask_tokenize__(self) -> tuple[Any, ...]:
         # Every task carries the spec; its token already names the shuffle.
@@ -121,6 +126,7 @@ def shuffle_graph(
     name: str = "mpshuffle",
     token: str | None = None,
     partitioner: Any = None,
+    on_lossy_cast: str = "raise",
 ) -> tuple[dict[Any, Any], list[Any]]:
     """Build the tasks of a shuffle over a collection of frames.
 
@@ -144,6 +150,10 @@ def shuffle_graph(
         Optional picklable callable mapping an input frame to the ``int64``
         output partition id of each row (shape ``(n,)``, values in
         ``[0, npartitions)``); by default rows are hash partitioned on ``on``.
+    on_lossy_cast
+        What an extract does with a column whose values do not fit the
+        meta's dtype: ``"raise"`` an error, or ``"keep"`` the data's dtype
+        (pandas frames; what Dask's own shuffles do).
 
     Returns
     -------
@@ -156,8 +166,9 @@ def shuffle_graph(
     Raises
     ------
     ValueError
-        If ``on`` is empty, ``npartitions`` < 1, or ``keep_index`` is asked
-        for cudf frames (their index does not travel).
+        If ``on`` is empty, ``npartitions`` < 1, ``on_lossy_cast`` is not one
+        of its two values, or ``keep_index`` is asked for cudf frames (their
+        index does not travel).
     TypeError
         If ``meta``'s type has no frame adapter.
 
@@ -171,6 +182,8 @@ def shuffle_graph(
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
     npartitions = check_npartitions(npartitions)
+    if on_lossy_cast not in ("raise", "keep"):
+        raise ValueError(f"on_lossy_cast must be 'raise' or 'keep', got {on_lossy_cast!r}")
     device = is_device_meta(meta)
     if device:
         register_device_adapter()  # a CuPy table's adapter, registered on first use
@@ -193,6 +206,7 @@ def shuffle_graph(
         keep_index=keep_index,
         partitioner=partitioner,
         device=device,
+        on_lossy_cast=on_lossy_cast,
     )
     graph: dict[Any, Any] = {}
     insert_keys = []
@@ -345,6 +359,9 @@ def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec) -> Any:
     # Outside the guard: a piece that does not fit the meta is a data error,
     # not a wait that timed out, so it must not retire the generation.
     with phase("extract", _where(ctx)), shuffler.scope():
-        out = adapter.unpack(pieces, spec.meta)
+        if spec.on_lossy_cast == "raise":
+            out = adapter.unpack(pieces, spec.meta)
+        else:
+            out = adapter.unpack(pieces, spec.meta, on_lossy_cast=spec.on_lossy_cast)
     runtime.extracted(run, ctx)
     return out

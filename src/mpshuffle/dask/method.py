@@ -127,10 +127,10 @@ class _ColumnIds:
         return f"_ColumnIds({self.column!r})"
 
 
-try:
-    from dask.dataframe.dask_expr._shuffle import ShuffleBase as _ShuffleBase
-except ImportError:  # pragma: no cover - a dask without dask-expr
-    _ShuffleBase = object
+# Dask's base of its lowered shuffles (tasks, disk, p2p): a Shuffle that can
+# compute a subset of its output partitions (PartitionsFiltered). Every dask
+# of SUPPORTED_DASK has it (dask-expr is part of dask since 2025.1.0).
+from dask.dataframe.dask_expr._shuffle import SimpleShuffle as _Lowered
 
 
 def _expr_classes() -> tuple[Any, Any, Any]:
@@ -140,7 +140,7 @@ def _expr_classes() -> tuple[Any, Any, Any]:
     return Shuffle, ShuffleBase, Merge
 
 
-class MPShuffle(_ShuffleBase):  # type: ignore[misc, valid-type]
+class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     """A lowered Dask shuffle whose tasks are mpshuffle's insert, barrier and extract tasks.
 
     Parameters (operands)
@@ -163,33 +163,56 @@ class MPShuffle(_ShuffleBase):  # type: ignore[misc, valid-type]
     original_partitioning_index
         The keys Dask hashed into ``_partitions`` (tells later merges the
         output is partitioned on them).
+    _partitions
+        The output partitions to compute (Dask's ``df.partitions[...]``), or
+        ``None`` for all.
 
     Notes
     -----
     The graph is :func:`mpshuffle.dask.shuffle_graph`'s: one insert task
     per input partition, one barrier, one extract task per output
     partition, keyed ``mpshuffle-insert-<token>``,
-    ``mpshuffle-barrier-<token>`` and ``mpshuffle-extract-<token>`` (the
-    last is this expression's name, so its partitions are the extract
-    tasks themselves).
+    ``mpshuffle-barrier-<token>`` and ``mpshuffle-extract-<token>``. Without
+    a partition filter the last is this expression's name, so its
+    partitions are the extract tasks themselves; with one, only the chosen
+    extract tasks are in the graph and the expression's keys alias them.
+    Extracts keep a column's dtype where the data does not fit Dask's meta
+    (as Dask's shuffles do) instead of raising.
     """
 
-    _parameters = [
+    _parameters = [  # noqa: RUF012  (Dask's Expr protocol: class-level lists)
         "frame",
         "partitioning_index",
         "npartitions_out",
         "ignore_index",
         "options",
         "original_partitioning_index",
+        "_partitions",
     ]
-    _defaults = {"ignore_index": False, "options": None, "original_partitioning_index": None}
+    _defaults = {  # noqa: RUF012
+        "ignore_index": False,
+        "options": None,
+        "original_partitioning_index": None,
+        "_partitions": None,
+    }
 
     def __str__(self) -> str:
         return f"MPShuffle({self._name[-7:]})"
 
     @functools.cached_property
+    def _shuffle_token(self) -> str:
+        from dask.base import tokenize
+
+        # The shuffle itself, whichever of its outputs this expression keeps.
+        return tokenize(
+            self.frame._name, *[self.operand(p) for p in self._parameters[1:-1]]
+        )
+
+    @functools.cached_property
     def _name(self) -> str:
-        return f"{METHOD}-extract-{self.deterministic_token}"
+        if self._filtered:
+            return f"{METHOD}-partitions-{self.deterministic_token}"
+        return f"{METHOD}-extract-{self._shuffle_token}"
 
     @functools.cached_property
     def _meta(self) -> Any:
@@ -212,11 +235,29 @@ class MPShuffle(_ShuffleBase):  # type: ignore[misc, valid-type]
             meta=self._meta,
             keep_index=not self.ignore_index,
             name=METHOD,
-            token=self.deterministic_token,
+            token=self._shuffle_token,
             partitioner=partitioner,
+            on_lossy_cast="keep",
         )
-        assert keys[0][0] == self._name, (keys[0], self._name)
+        if not self._filtered:
+            return graph
+        # Extract tasks keep their keys (extract-name, j): the scheduler plugin
+        # places output partition j by that j.
+        wanted = set(self._partitions)
+        for j, key in enumerate(keys):
+            if j not in wanted:
+                del graph[key]
+        for i, j in enumerate(self._partitions):
+            graph[(self._name, i)] = _alias((self._name, i), keys[j])
         return graph
+
+
+def _alias(key: Any, target: Any) -> Any:
+    try:
+        from dask._task_spec import Alias
+    except ImportError:  # pragma: no cover - older dask: a legacy graph's alias
+        return target
+    return Alias(key, target)
 
 
 
@@ -234,24 +275,22 @@ def _resolved(method: Any) -> Any:
 def install() -> None:
     """Make ``"mpshuffle"`` a shuffle method of dask-expr; idempotent.
 
-    Wraps ``Shuffle._lower`` and ``Merge.is_broadcast_join`` (see the module
-    docstring); other methods reach Dask's own code unchanged. Called by
+    Wraps ``Shuffle._lower``, ``Merge.is_broadcast_join`` and
+    ``ShuffleBase._meta`` (see the module docstring); other methods reach
+    Dask's own code unchanged. Called by
     ``import mpshuffle.dask``.
 
     Notes
     -----
-    On a dask without ``dask.dataframe.dask_expr`` nothing is installed, and
-    Dask itself refuses the method name (``ValueError: mpshuffle not
-    supported``).
+    Every dask that ``pyproject.toml`` allows has ``dask.dataframe.dask_expr``;
+    a dask without it fails at ``import mpshuffle.dask`` with an ImportError.
     """
     if _state:
         return
-    try:
-        Shuffle, _, Merge = _expr_classes()
-    except ImportError:  # pragma: no cover - a dask without dask-expr
-        return
+    Shuffle, ShuffleBase, Merge = _expr_classes()
     original_lower = Shuffle.__dict__["_lower"]
     original_broadcast = Merge.__dict__["is_broadcast_join"]
+    original_meta = ShuffleBase.__dict__["_meta"]
 
     def _lower(self: Any) -> Any:
         if _resolved(self.method) != METHOD:
@@ -272,22 +311,36 @@ def install() -> None:
             self = self.substitute_parameters({"shuffle_method": "tasks"})
         return bool(original_broadcast.func(self))
 
-    broadcast = functools.cached_property(is_broadcast_join)
-    broadcast.__set_name__(Merge, "is_broadcast_join")
+    def _meta(self: Any) -> Any:
+        meta = original_meta.func(self)
+        if self.ignore_index and _resolved(self.method) == METHOD:
+            # Dask's abstract shuffle drops the index from its meta only for
+            # "tasks"; MPShuffle drops it as TaskShuffle does.
+            meta = meta.reset_index(drop=True)
+        return meta
+
+    def prop(func: Any, cls: Any, name: str) -> Any:
+        p = functools.cached_property(func)
+        p.__set_name__(cls, name)
+        return p
+
     _lower.__doc__ = original_lower.__doc__
     Shuffle._lower = _lower
-    Merge.is_broadcast_join = broadcast
+    Merge.is_broadcast_join = prop(is_broadcast_join, Merge, "is_broadcast_join")
+    ShuffleBase._meta = prop(_meta, ShuffleBase, "_meta")
     _state.update(
-        shuffle=Shuffle, lower=original_lower, merge=Merge, broadcast=original_broadcast
+        shuffle=Shuffle, lower=original_lower, merge=Merge, broadcast=original_broadcast,
+        base=ShuffleBase, meta=original_meta,
     )
 
 
 def uninstall() -> None:
-    """Restore Dask's own ``Shuffle._lower`` and ``Merge.is_broadcast_join``."""
+    """Restore Dask's own ``Shuffle._lower``, ``ShuffleBase._meta`` and ``Merge.is_broadcast_join``."""
     if not _state:
         return
     _state["shuffle"]._lower = _state["lower"]
     _state["merge"].is_broadcast_join = _state["broadcast"]
+    _state["base"]._meta = _state["meta"]
     _state.clear()
 
 

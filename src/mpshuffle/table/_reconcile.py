@@ -100,7 +100,7 @@ def cast_lossless(column: pd.Series, dtype: Any) -> pd.Series:
     return cast
 
 
-def reconcile(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
+def reconcile(frame: pd.DataFrame, meta: pd.DataFrame, on_lossy_cast: str = "raise") -> pd.DataFrame:
     """Return ``frame`` with ``meta``'s column order and dtypes.
 
     Parameters
@@ -109,6 +109,11 @@ def reconcile(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
         The concatenated pieces.
     meta
         Empty frame with the expected columns and dtypes.
+    on_lossy_cast
+        ``"raise"``: a column whose values do not fit the meta's dtype is an
+        error. ``"keep"``: such a column keeps the data's dtype, as Dask's own
+        shuffles do (Dask's meta can be wrong, e.g. an ``int64`` column that
+        an outer merge filled with NaN).
 
     Returns
     -------
@@ -117,16 +122,20 @@ def reconcile(frame: pd.DataFrame, meta: pd.DataFrame) -> pd.DataFrame:
     Raises
     ------
     ShuffleError
-        If a column is missing or extra, or cannot be cast losslessly.
+        If a column is missing or extra, or (``on_lossy_cast="raise"``)
+        cannot be cast losslessly.
     """
     check_columns(list(frame.columns), meta)
     if list(frame.columns) != list(meta.columns):
         frame = frame[list(meta.columns)]
-    changed = {
-        name: cast_lossless(frame[name], want)
-        for name, want in meta.dtypes.items()
-        if not _same_dtype(frame[name].dtype, want)
-    }
+    changed = {}
+    for name, want in meta.dtypes.items():
+        if not _same_dtype(frame[name].dtype, want):
+            try:
+                changed[name] = cast_lossless(frame[name], want)
+            except ShuffleError:
+                if on_lossy_cast != "keep":
+                    raise
     if changed:
         frame = _replace(frame, changed)
     return frame

@@ -333,12 +333,16 @@ class PandasAdapter(FrameAdapter):
             for pid, start, stop in runs
         }
 
-    def unpack(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
+    def unpack(
+        self, pieces: Sequence[PackedData], meta: pd.DataFrame, on_lossy_cast: str = "raise"
+    ) -> pd.DataFrame:
         """Concatenate pieces in the given order into a frame with ``meta``'s dtypes.
 
         Arrow pieces are concatenated as Arrow (``promote_options="default"``,
         so Arrow ``null`` columns of all-None pieces promote) and converted
-        once; then every column is cast toward ``meta``'s dtype when lossless.
+        once; then every column is cast toward ``meta``'s dtype when lossless
+        (a lossy one raises, or with ``on_lossy_cast="keep"`` keeps its dtype,
+        see :func:`~mpshuffle.table._reconcile.reconcile`).
 
         Raises
         ------
@@ -350,7 +354,7 @@ class PandasAdapter(FrameAdapter):
         if not pieces:
             return self.empty_like(meta)
         if all(is_cols(p.metadata) for p in pieces):
-            return reconcile(self._unpack_cols(pieces, meta), meta)
+            return reconcile(self._unpack_cols(pieces, meta), meta, on_lossy_cast)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
             tables = [read_ipc(p.data) for p in pieces]
@@ -366,7 +370,7 @@ class PandasAdapter(FrameAdapter):
                 frame = self._concat_frames(pieces, meta)
         else:
             frame = self._concat_frames(pieces, meta)
-        return reconcile(frame, meta)
+        return reconcile(frame, meta, on_lossy_cast)
 
     def _unpack_cols(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
         parts = [read_piece(p) for p in pieces]
