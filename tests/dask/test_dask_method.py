@@ -25,6 +25,7 @@ import pytest
 from distributed import Client, get_task_stream
 
 import mpshuffle.dask  # noqa: F401  (makes "mpshuffle" a Dask shuffle method)
+import mpshuffle.errors
 from conftest import worker_state
 from mpshuffle.dask import method
 
@@ -296,3 +297,52 @@ def test_suite_runner_rewrites_only_the_method_choice(tmp_path: Path) -> None:
             assert re.search(r"""["'](tasks|disk|p2p)["']""", line), line
         for line in added:
             assert runner._PARAM in line and "parametrize" in line, line
+
+
+def test_partition_filter_and_ignore_index_meta() -> None:
+    left, _ = _frames()
+    df = dd.from_pandas(left, npartitions=5)
+    with dask.config.set({**MP, "scheduler": "sync"}):
+        out = df.shuffle("k", npartitions=4, ignore_index=True)
+        assert isinstance(out._meta.index, pd.RangeIndex)  # as with tasks
+        parts = [out.partitions[j].compute() for j in range(4)]
+        whole = out.compute()
+        one = out.partitions[2]
+        names = {type(e).__name__ for e in one.optimize(fuse=False).expr.walk()}
+        keys = [str(k[0] if isinstance(k, tuple) else k) for k in dict(one.optimize().dask)]
+    assert "MPShuffle" in names
+    # Only partition 2 is extracted, under its own key; the collection's key aliases it.
+    assert sum(k.startswith("mpshuffle-extract") for k in keys) == 1, keys
+    assert sum(len(p) for p in parts) == len(left) == len(whole)
+    for j, p in enumerate(parts):
+        for other in parts[j + 1:]:
+            assert not set(p["k"]) & set(other["k"])
+    _same_rows(pd.concat(parts), left)
+
+
+def test_dask_meta_that_the_data_does_not_fit_keeps_the_data_dtype() -> None:
+    # An outer merge puts NaN into an int64 column whose meta stays int64 (as
+    # in Dask's test_shuffle_nulls_introduced); the next shuffle keeps float64.
+    a = pd.DataFrame({"A": [True, False] * 50, "B": range(100)})
+    b = pd.DataFrame({"B": [2, 109, 345, 50, 95], "C": [3, 2, 3, 7, 1]})
+    da, db = dd.from_pandas(a, npartitions=10), dd.from_pandas(b, npartitions=1)
+    with dask.config.set({**MP, "scheduler": "sync"}):
+        got = da.merge(db, how="outer", on="B").shuffle("A").compute()
+    exp = a.merge(b, how="outer", on="B")
+    assert got["C"].dtype == exp["C"].dtype == np.float64
+    # Missing values of the object column A come back as None (Arrow nulls), not NaN.
+    _same_rows(got.astype({"A": "boolean"}), exp.astype({"A": "boolean"}))
+
+
+def test_on_lossy_cast_values() -> None:
+    from mpshuffle.dask.graph import shuffle_graph
+    from mpshuffle.table._reconcile import reconcile
+
+    meta = pd.DataFrame({"k": pd.Series([], dtype="int64")})
+    with pytest.raises(ValueError, match="on_lossy_cast must be 'raise' or 'keep'"):
+        shuffle_graph([("x", 0)], on=["k"], npartitions=2, meta=meta, on_lossy_cast="ignore")
+    frame = pd.DataFrame({"k": [1.0, np.nan]})
+    assert reconcile(frame, meta, "keep")["k"].dtype == np.float64
+    assert reconcile(pd.DataFrame({"k": [1.0, 2.0]}), meta, "keep")["k"].dtype == np.int64
+    with pytest.raises(mpshuffle.errors.ShuffleError, match="column 'k'"):
+        reconcile(frame, meta)
