@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 from distributed import Client, get_task_stream
 
-import mpshuffle.dask  # noqa: F401  (makes "mpshuffle" a Dask shuffle method)
+import mpshuffle.dask
 import mpshuffle.errors
 from conftest import worker_state
 from mpshuffle.dask import method
