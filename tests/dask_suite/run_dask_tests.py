@@ -16,7 +16,10 @@ tests here run on Dask's local schedulers).
 
 Usage::
 
-    python tests/dask_suite/run_dask_tests.py [--json OUT] [--keep DIR] [-- PYTEST_ARGS...]
+    python tests/dask_suite/run_dask_tests.py [--json OUT] [--keep DIR] [--serial] [-- PYTEST_ARGS...]
+
+The two runs go at once in two processes (they share nothing; on 2 cores this
+takes about the time of the slower one), or one after the other with ``--serial``.
 """
 
 from __future__ import annotations
@@ -147,30 +150,40 @@ def prepare(dask_dir: Path, out: Path) -> dict[str, int]:
     return counts
 
 
-def run(out: Path, method: str, pytest_args: list[str]) -> tuple[dict[str, dict], float, int]:
-    results = out / f"results-{method}.json"
-    env = dict(os.environ, **{ENV: method, RESULTS_ENV: str(results)})
+def start(out: Path, method: str, pytest_args: list[str]) -> tuple[subprocess.Popen[str], float]:
+    """Start the pytest run of ``method`` in a subprocess; its output goes to a log file."""
+    env = dict(os.environ, **{ENV: method, RESULTS_ENV: str(out / f"results-{method}.json")})
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(out / "pytest.ini"),
         "--rootdir", str(out), "--import-mode=importlib", "-o", "addopts=", *MODULES, *pytest_args,
     ]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    seconds = time.perf_counter() - start
-    tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
-    print(f"[{method}] pytest exit {proc.returncode} in {seconds:.0f} s: {' '.join(tail)}", flush=True)
+    log = (out / f"pytest-{method}.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return proc, time.perf_counter()
+
+
+def finish(out: Path, method: str, proc: subprocess.Popen[str], started: float) -> tuple[dict[str, dict], float]:
+    """Wait for a run; return its results per test id and its seconds."""
+    rc = proc.wait()
+    seconds = time.perf_counter() - started
+    text = (out / f"pytest-{method}.log").read_text()
+    tail = text.strip().splitlines()[-1:] if text else []
+    print(f"[{method}] pytest exit {rc} in {seconds:.0f} s: {' '.join(tail)}", flush=True)
+    results = out / f"results-{method}.json"
     if not results.exists():
-        print(proc.stdout[-5000:])
+        print(text[-5000:])
         raise SystemExit(f"the {method} run wrote no results")
-    (out / f"pytest-{method}.log").write_text(proc.stdout)
-    return json.loads(results.read_text()), seconds, proc.returncode
+    return json.loads(results.read_text()), seconds
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the comparison as JSON to this file")
     parser.add_argument("--keep", help="prepare and keep the modules in this directory")
+    parser.add_argument(
+        "--serial", action="store_true",
+        help="run the two methods one after the other (by default at once: two processes)",
+    )
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args(argv)
 
@@ -184,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         counts = prepare(dask_dir, out)
         print(f"dask {dask.__version__}: rewrote the method choice in {counts}", flush=True)
-        runs = {m: run(out, m, args.pytest_args) for m in METHODS}
+        runs = {}
+        if args.serial:
+            for m in METHODS:
+                runs[m] = finish(out, m, *start(out, m, args.pytest_args))
+        else:
+            started = {m: start(out, m, args.pytest_args) for m in METHODS}
+            runs = {m: finish(out, m, *started[m]) for m in METHODS}
         base, mps = runs["tasks"][0], runs["mpshuffle"][0]
         passed_base = sorted(k for k, v in base.items() if v["outcome"] == "passed")
         regressions = sorted(

@@ -156,7 +156,10 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         Number of output partitions; may be smaller or larger than the
         input's (no repartition step is needed).
     ignore_index
-        Drop the index (each output partition gets a ``RangeIndex``).
+        Accepted, but the index travels either way: Dask's abstract shuffle
+        keeps the index in its meta for every method but ``tasks``, and its
+        tests expect the methods other than ``tasks`` to keep it (as ``p2p``
+        and ``disk`` do).
     options
         Accepted for Dask's signature; mpshuffle's options are its
         ``mpshuffle.*`` configuration.
@@ -216,8 +219,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
 
     @functools.cached_property
     def _meta(self) -> Any:
-        meta = self.frame._meta
-        return meta.reset_index(drop=True) if self.ignore_index else meta
+        return self.frame._meta
 
     def _lower(self) -> None:
         return None
@@ -233,7 +235,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
             on=on,
             npartitions=self.npartitions_out,
             meta=self._meta,
-            keep_index=not self.ignore_index,
+            keep_index=True,
             name=METHOD,
             token=self._shuffle_token,
             partitioner=partitioner,
@@ -275,9 +277,8 @@ def _resolved(method: Any) -> Any:
 def install() -> None:
     """Make ``"mpshuffle"`` a shuffle method of dask-expr; idempotent.
 
-    Wraps ``Shuffle._lower``, ``Merge.is_broadcast_join`` and
-    ``ShuffleBase._meta`` (see the module docstring); other methods reach
-    Dask's own code unchanged. Called by
+    Wraps ``Shuffle._lower`` and ``Merge.is_broadcast_join`` (see the module
+    docstring); other methods reach Dask's own code unchanged. Called by
     ``import mpshuffle.dask``.
 
     Notes
@@ -287,10 +288,9 @@ def install() -> None:
     """
     if _state:
         return
-    Shuffle, ShuffleBase, Merge = _expr_classes()
+    Shuffle, _, Merge = _expr_classes()
     original_lower = Shuffle.__dict__["_lower"]
     original_broadcast = Merge.__dict__["is_broadcast_join"]
-    original_meta = ShuffleBase.__dict__["_meta"]
 
     def _lower(self: Any) -> Any:
         if _resolved(self.method) != METHOD:
@@ -311,14 +311,6 @@ def install() -> None:
             self = self.substitute_parameters({"shuffle_method": "tasks"})
         return bool(original_broadcast.func(self))
 
-    def _meta(self: Any) -> Any:
-        meta = original_meta.func(self)
-        if self.ignore_index and _resolved(self.method) == METHOD:
-            # Dask's abstract shuffle drops the index from its meta only for
-            # "tasks"; MPShuffle drops it as TaskShuffle does.
-            meta = meta.reset_index(drop=True)
-        return meta
-
     def prop(func: Any, cls: Any, name: str) -> Any:
         p = functools.cached_property(func)
         p.__set_name__(cls, name)
@@ -327,20 +319,17 @@ def install() -> None:
     _lower.__doc__ = original_lower.__doc__
     Shuffle._lower = _lower
     Merge.is_broadcast_join = prop(is_broadcast_join, Merge, "is_broadcast_join")
-    ShuffleBase._meta = prop(_meta, ShuffleBase, "_meta")
     _state.update(
-        shuffle=Shuffle, lower=original_lower, merge=Merge, broadcast=original_broadcast,
-        base=ShuffleBase, meta=original_meta,
+        shuffle=Shuffle, lower=original_lower, merge=Merge, broadcast=original_broadcast
     )
 
 
 def uninstall() -> None:
-    """Restore Dask's own ``Shuffle._lower``, ``ShuffleBase._meta`` and ``Merge.is_broadcast_join``."""
+    """Restore Dask's own ``Shuffle._lower`` and ``Merge.is_broadcast_join``."""
     if not _state:
         return
     _state["shuffle"]._lower = _state["lower"]
     _state["merge"].is_broadcast_join = _state["broadcast"]
-    _state["base"]._meta = _state["meta"]
     _state.clear()
 
 
