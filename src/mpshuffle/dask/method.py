@@ -214,7 +214,9 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     @functools.cached_property
     def _name(self) -> str:
         if self._filtered:
-            return f"{METHOD}-partitions-{self.deterministic_token}"
+            from dask.base import tokenize
+
+            return f"{METHOD}-partitions-{tokenize(self._shuffle_token, self.operand('_partitions'))}"
         return f"{METHOD}-extract-{self._shuffle_token}"
 
     @functools.cached_property
