@@ -72,11 +72,17 @@ def run_once(client: Client, directory: Path, method: str, split_out: int) -> di
     pids = list(client.run(os.getpid).values())
     cpu0, start = _cpu(pids), time.perf_counter()
     with dask.config.set({"dataframe.shuffle.method": method}):
-        result = query(directory, split_out).compute()
+        q = query(directory, split_out).optimize()
+        result = q.compute()
     seconds = time.perf_counter() - start
+    names = [str(k[0] if isinstance(k, tuple) else k) for k in dict(q.dask)]
+    mps_tasks = sum(n.startswith("mpshuffle") for n in names)
+    # The graph of the mpshuffle run has mpshuffle's tasks, the others none.
+    assert (mps_tasks > 0) == (method == "mpshuffle"), (method, mps_tasks)
     return {
         "seconds": seconds,
         "worker_cpu_seconds": _cpu(pids) - cpu0,
+        "mpshuffle_tasks_in_graph": mps_tasks,
         "groups": len(result),
         "revenue": float(result["revenue"].sum()),
         "quantity": float(result["quantity"].sum()),

@@ -11,6 +11,8 @@ import asyncio
 import difflib
 import importlib.util
 import re
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -354,3 +356,20 @@ def test_on_lossy_cast_values() -> None:
     assert reconcile(pd.DataFrame({"k": [1.0, 2.0]}), meta, "keep")["k"].dtype == np.int64
     with pytest.raises(mpshuffle.errors.ShuffleError, match="column 'k'"):
         reconcile(frame, meta)
+
+
+def test_import_mpshuffle_alone_adds_the_method() -> None:
+    # `import mpshuffle` registers its Dask hooks when dask.dataframe is imported.
+    code = (
+        "import mpshuffle, dask, pandas as pd, dask.dataframe as dd\n"
+        "df = dd.from_pandas(pd.DataFrame({'k': range(20)}), npartitions=3)\n"
+        "with dask.config.set(scheduler='sync'):\n"
+        "    out = df.shuffle('k', npartitions=2, shuffle_method='mpshuffle')\n"
+        "    keys = {str(k[0] if isinstance(k, tuple) else k).split('-')[1] for k in dict(out.dask)\n"
+        "            if str(k[0] if isinstance(k, tuple) else k).startswith('mpshuffle')}\n"
+        "    print(sorted(keys), sorted(out.compute()['k']) == list(range(20)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.strip()
+    assert out == "['barrier', 'extract', 'insert'] True"
