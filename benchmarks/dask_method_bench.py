@@ -35,8 +35,8 @@ import psutil
 from distributed import Client, LocalCluster
 
 import mpshuffle
-import mpshuffle.dask  # noqa: F401  (adds "mpshuffle" to Dask's shuffle methods)
-from mpshuffle.tpch import generate, read_tables
+import mpshuffle.dask
+from mpshuffle.demo.tpch import generate, read_tables
 
 METHODS = ("mpshuffle", "p2p", "tasks")
 

@@ -1,7 +1,6 @@
 """mpshuffle as a shuffle method of Dask's own DataFrame operations.
 
-After ``import mpshuffle.dask`` (or ``import mpshuffle`` once ``dask.dataframe``
-is imported), one line switches Dask's shuffles to mpshuffle::
+After ``import mpshuffle.dask``, one line switches Dask's shuffles to mpshuffle::
 
     dask.config.set({"dataframe.shuffle.method": "mpshuffle"})
     # or, per call: df.shuffle("k", shuffle_method="mpshuffle"),
