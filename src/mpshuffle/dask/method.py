@@ -45,6 +45,11 @@ from typing import Any
 import dask
 import numpy as np
 
+# Dask's base of its lowered shuffles (tasks, disk, p2p): a Shuffle that can
+# compute a subset of its output partitions (PartitionsFiltered). Every dask
+# of SUPPORTED_DASK has it (dask-expr is part of dask since 2025.1.0).
+from dask.dataframe.dask_expr._shuffle import SimpleShuffle as _Lowered
+
 from mpshuffle.errors import MPShuffleError
 
 __all__ = [
@@ -124,12 +129,6 @@ class _ColumnIds:
 
     def __repr__(self) -> str:
         return f"_ColumnIds({self.column!r})"
-
-
-# Dask's base of its lowered shuffles (tasks, disk, p2p): a Shuffle that can
-# compute a subset of its output partitions (PartitionsFiltered). Every dask
-# of SUPPORTED_DASK has it (dask-expr is part of dask since 2025.1.0).
-from dask.dataframe.dask_expr._shuffle import SimpleShuffle as _Lowered
 
 
 def _expr_classes() -> tuple[Any, Any, Any]:
