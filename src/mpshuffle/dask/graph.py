@@ -359,9 +359,9 @@ def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec) -> Any:
     # Outside the guard: a piece that does not fit the meta is a data error,
     # not a wait that timed out, so it must not retire the generation.
     with phase("extract", _where(ctx)), shuffler.scope():
-        if spec.on_lossy_cast == "raise":
-            out = adapter.unpack(pieces, spec.meta)
-        else:
+        if spec.on_lossy_cast != "raise" and isinstance(adapter, PandasAdapter):
             out = adapter.unpack(pieces, spec.meta, on_lossy_cast=spec.on_lossy_cast)
+        else:
+            out = adapter.unpack(pieces, spec.meta)
     runtime.extracted(run, ctx)
     return out
