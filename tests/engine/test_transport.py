@@ -6,6 +6,7 @@ import asyncio
 import errno
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -129,7 +130,7 @@ def test_a_full_dev_shm_falls_back_to_the_socket(pair: list[TcpCommunicator], mo
     c0, c1 = pair
     inbox = _Inbox(c0)
 
-    def full(frames: Any) -> Any:
+    def full(frames: Any, dest: int) -> Any:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(c1._shm, "write_message", full)
@@ -149,24 +150,84 @@ def test_unacknowledged_files_are_removed_when_the_receiver_is_gone() -> None:
     c1.send_nowait(0, ("t", 1), [np.ones(BIG, np.uint8)]).result(10)
     # A file written but never announced (its receiver was lost first) is
     # removed when the sender closes.
-    path, _ = c1._shm.write_message([np.ones(BIG, np.uint8)])
+    path, _ = c1._shm.write_message([np.ones(BIG, np.uint8)], 0)
     c0.close()
     with pytest.raises(CommError):
         c1.send_nowait(0, ("t", 2), [np.ones(BIG, np.uint8)]).result(10)
-    assert os.path.exists(path)
+    # The receiver removed, as it closed, the file addressed to it; one
+    # written after that is the sender's to remove when it closes.
+    assert not os.path.exists(path)
+    after, _ = c1._shm.write_message([np.ones(BIG, np.uint8)], 0)
     c1.close()
+    assert not os.path.exists(after)
     assert _files("shm-gone") == []
+
+
+def _die(comm: TcpCommunicator) -> None:
+    """Make ``comm`` vanish as a SIGKILLed process does: sockets cut, no goodbye, no cleanup."""
+    assert comm._shm is not None
+    comm._shm.pending.clear()  # a dead process removes none of its files
+
+    def cut() -> None:
+        for c in [*comm._out.values(), *comm._inbound.values()]:
+            c.abort()
+
+    comm.loop.call_soon_threadsafe(cut)
+
+
+@needs_shm
+def test_files_of_a_killed_sender_are_removed_by_their_receiver() -> None:
+    c0, c1 = _pair(generation="shm-killed")
+    try:
+        inbox = _Inbox(c0)
+        c1.send_nowait(0, ("t", 1), [np.ones(BIG, np.uint8)]).result(10)
+        assert inbox.arrived.wait(10)
+        # Written, and the sender died before it named the file on the socket.
+        path, _ = c1._shm.write_message([np.ones(BIG, np.uint8)], 0)
+        _die(c1)
+        deadline = time.monotonic() + 10
+        while 1 not in c0.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 1 in c0.lost
+        assert not os.path.exists(path)
+        # One more the receiver never heard of (its sender died before the
+        # receiver noticed anything): gone when the receiver closes.
+        late, _ = _shm.ShmFiles(c1._shm.directory, c1._shm.prefix).write_message([b"x" * 10], 0)
+        c0.close()
+        assert not os.path.exists(late)
+    finally:
+        c0.close()
+        c1.close()
+    assert _files("shm-killed") == []
+
+
+def test_sweep_removes_only_files_for_the_rank_and_generation(tmp_path: Any) -> None:
+    directory = str(tmp_path)
+    names = {
+        "mpshuffle-g-r1-to0-m1-aa": True,
+        "mpshuffle-g-r2-to0-probe3-bb": True,
+        "mpshuffle-g-r1-to10-m1-cc": False,  # another rank
+        "mpshuffle-g-r0-to1-m1-dd": False,  # written by the sweeping rank for another
+        "mpshuffle-g2-r1-to0-m1-ee": False,  # another generation
+        "other": False,
+    }
+    for name in names:
+        open(os.path.join(directory, name), "wb").close()
+    assert _shm.sweep(directory, "g", 0, src=2) == 1
+    assert _shm.sweep(directory, "g", 0) == 1
+    assert sorted(os.listdir(directory)) == sorted(n for n, gone in names.items() if not gone)
+    assert _shm.sweep(str(tmp_path / "missing"), "g", 0) == 0
 
 
 def test_probe_and_message_files_outside_the_directory_are_refused(tmp_path: Any) -> None:
     directory = str(tmp_path)
     files = _shm.ShmFiles(directory, "mpshuffle-x-r0")
-    path, nonce = files.write_probe()
+    path, nonce = files.write_probe(1)
     assert _shm.check_probe(path, nonce, directory)
     assert not _shm.check_probe(path, "other", directory)
     assert not _shm.check_probe(path, nonce, None)
     assert not _shm.check_probe("/etc/passwd", nonce, directory)
-    msg, sizes = files.write_message([b"abc", np.arange(100, dtype=np.int64)])
+    msg, sizes = files.write_message([b"abc", np.arange(100, dtype=np.int64)], 1)
     assert sizes == [3, 800]
     with pytest.raises(OSError, match="not in"):
         _shm.open_message(msg, sizes, "/somewhere/else")

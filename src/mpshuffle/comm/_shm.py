@@ -15,6 +15,15 @@ names: the connecting rank writes a *probe* file holding a random nonce and
 names it in its hello; the accepting rank reads it back (see
 :func:`check_probe`). Ranks on different hosts or in containers with their own
 ``/dev/shm`` fail the probe and keep using TCP.
+
+Every file's name says who wrote it for whom
+(``mpshuffle-<generation>-r<src>-to<dest>-...``): a sender removes the files
+it wrote that no receiver took (when a receiver is lost, when it closes), and a
+receiver removes the files addressed to it by a sender it lost and, when it
+closes, every file of its generation still addressed to it (:func:`sweep`).
+Pages of ``/dev/shm`` are memory that outlives the process, so a sender that
+was killed (``SIGKILL``, the OOM killer) with messages in flight must not
+leave them there.
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ import errno
 import hmac
 import mmap
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ALIGNMENT", "MIN_BYTES", "ShmFiles", "check_probe", "default_directory", "open_message", "remove_file"]
+__all__ = ["ALIGNMENT", "MIN_BYTES", "ShmFiles", "check_probe", "default_directory", "open_message", "remove_file", "sweep"]
 
 #: Messages smaller than this go over TCP: the file's create/open/unlink and
 #: the acknowledgement cost more than copying a small message through the socket.
@@ -58,8 +68,10 @@ class ShmFiles:
     directory
         A directory on a memory-backed file system (``/dev/shm``).
     prefix
-        Start of every file name (the generation and rank), so that files
-        left by a process that died can be told apart.
+        Start of every file name, ``mpshuffle-<generation>-r<rank>``; each
+        name goes on with ``-to<dest>-``, the rank it is written for, so that
+        files left by a process that died can be told apart and removed by
+        their receiver (:func:`sweep`).
 
     Attributes
     ----------
@@ -78,12 +90,12 @@ class ShmFiles:
         self.pending = set()
         self._count = 0
 
-    def _new_name(self, kind: str) -> str:
+    def _new_name(self, kind: str, dest: int) -> str:
         self._count += 1
-        return os.path.join(self.directory, f"{self.prefix}-{kind}{self._count}-{secrets.token_hex(6)}")
+        return os.path.join(self.directory, f"{self.prefix}-to{dest}-{kind}{self._count}-{secrets.token_hex(6)}")
 
-    def write_probe(self) -> tuple[str, str]:
-        """Create a probe file; return its path and the nonce it holds.
+    def write_probe(self, dest: int) -> tuple[str, str]:
+        """Create a probe file for rank ``dest``; return its path and the nonce it holds.
 
         Raises
         ------
@@ -91,7 +103,7 @@ class ShmFiles:
             If the file cannot be written.
         """
         nonce = secrets.token_hex(16)
-        path = self._new_name("probe")
+        path = self._new_name("probe", dest)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, nonce.encode())
@@ -99,8 +111,8 @@ class ShmFiles:
             os.close(fd)
         return path, nonce
 
-    def write_message(self, frames: Sequence[Any]) -> tuple[str, list[int]]:
-        """Write ``frames`` into a new file, each at a multiple of :data:`ALIGNMENT` bytes.
+    def write_message(self, frames: Sequence[Any], dest: int) -> tuple[str, list[int]]:
+        """Write ``frames`` for rank ``dest`` into a new file, each at a multiple of :data:`ALIGNMENT` bytes.
 
         Returns
         -------
@@ -125,7 +137,7 @@ class ShmFiles:
                 pad = -v.nbytes % ALIGNMENT
                 if pad:
                     parts.append(memoryview(_PAD)[:pad])
-        path = self._new_name("m")
+        path = self._new_name("m", dest)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             _pwritev_all(fd, parts)
@@ -172,6 +184,33 @@ def remove_file(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def sweep(directory: str, generation: str, dest: int, src: int | None = None) -> int:
+    """Remove the files of ``generation`` addressed to rank ``dest`` (by rank ``src``, or by any rank).
+
+    Called by ``dest`` itself, for files it will never open: those of a
+    sender it lost (``src``), or all of them when it closes. Files a receiver
+    opened are already unlinked; what is left was written by a sender that
+    died or gave up before the receiver read the file's name.
+
+    Returns
+    -------
+    int
+        How many files were removed.
+    """
+    pattern = re.compile(rf"mpshuffle-{re.escape(generation)}-r([0-9]+)-to{dest}-")
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = pattern.match(name)
+        if m is not None and (src is None or int(m.group(1)) == src):
+            remove_file(os.path.join(directory, name))
+            removed += 1
+    return removed
 
 
 def check_probe(path: Any, nonce: Any, directory: str | None) -> bool:

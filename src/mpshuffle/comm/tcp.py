@@ -358,7 +358,7 @@ class TcpCommunicator(Communicator):
                 "rank": self.rank,
                 "address": self.addresses[self.rank],
             }
-            probe = self._write_probe()
+            probe = self._write_probe(dest)
             if probe is not None:
                 hello["shm"], hello["nonce"] = probe
             try:
@@ -378,11 +378,11 @@ class TcpCommunicator(Communicator):
             self._readers[dest] = asyncio.ensure_future(self._read_acks(dest, comm))
             return comm
 
-    def _write_probe(self) -> tuple[str, str] | None:
+    def _write_probe(self, dest: int) -> tuple[str, str] | None:
         if self._shm is None:
             return None
         try:
-            return self._shm.write_probe()
+            return self._shm.write_probe(dest)
         except OSError as e:
             logger.info("mpshuffle: rank %d sends no shared memory (probe failed: %s)", self.rank, e)
             self._shm = None
@@ -406,9 +406,21 @@ class TcpCommunicator(Communicator):
     def _fail_acks(self, dest: int, error: BaseException) -> None:
         pending = self._acks.pop(dest, None)
         while pending:
-            fut, _path = pending.popleft()
+            fut, path = pending.popleft()
+            # The connection is gone, so ``dest`` will never open this file
+            # (if it did, it has unlinked it already).
+            self._drop_file(path)
             if not fut.done():
                 fut.set_exception(error)
+
+    def _peer_lost(self, rank: int, reason: str, *, quiet: bool = False) -> None:
+        if rank not in self._lost and self._shm_dir is not None:
+            # Files ``rank`` wrote for this rank and never named on the
+            # socket (it died with them in flight) would stay in memory.
+            # Removed before the loss is recorded, so whoever sees the loss
+            # sees them gone.
+            _shm.sweep(self._shm_dir, self.generation, self.rank, rank)
+        super()._peer_lost(rank, reason, quiet=quiet)
 
     def _guarded_handshake(self, on_connection: Any) -> Any:
         """Wrap the listener's handshake so that a stranger's failed one is logged as a refusal.
@@ -538,7 +550,7 @@ class TcpCommunicator(Communicator):
             nbytes = sum(memoryview(f).nbytes for f in frames)
             if nbytes >= _shm.MIN_BYTES:
                 try:
-                    path, sizes = files.write_message(frames)
+                    path, sizes = files.write_message(frames, dest)
                 except OSError as e:
                     logger.warning(
                         "mpshuffle: rank %d sends to rank %d over TCP from now on: writing to %s failed (%s)",
@@ -638,6 +650,9 @@ class TcpCommunicator(Communicator):
             timer.cancel()
             stream.close()
         self._hello_deadlines.clear()
+        if self._shm_dir is not None:
+            # Files of this generation still addressed to this rank: no one will open them now.
+            _shm.sweep(self._shm_dir, self.generation, self.rank)
         if self._listener is not None:
             self._listener.stop()
         for comm in list(self._inbound.values()):
