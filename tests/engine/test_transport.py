@@ -7,6 +7,7 @@ import errno
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,10 @@ def _pair(
     shared_memory: tuple[bool, bool] = (True, True), generation: str = "g", security: Any = None
 ) -> list[TcpCommunicator]:
     proto = "tls" if security is not None else "tcp"
+    # Unique per call: /dev/shm is shared with every other process (and test
+    # suite) on the machine, and a closing rank removes the files of its
+    # generation addressed to it.
+    generation = f"{generation}-{uuid.uuid4().hex[:8]}"
 
     async def start(rank: int) -> TcpCommunicator:
         return await TcpCommunicator.start(
@@ -65,7 +70,7 @@ def pair() -> Iterator[list[TcpCommunicator]]:
     yield comms
     for c in comms:
         c.close()
-    assert _files("shm-pair") == []
+    assert _files(comms[0].generation) == []
 
 
 needs_shm = pytest.mark.skipif(_shm.default_directory() is None, reason="no writable /dev/shm")
@@ -93,7 +98,7 @@ def test_large_messages_go_through_shared_memory_and_arrive_intact(pair: list[Tc
     assert c1.bytes_sent_shared == BIG + 1004
     assert c1.bytes_sent == c1.bytes_sent_shared + len(b"small")
     assert c0.bytes_received == c1.bytes_sent
-    assert _files("shm-pair") == []  # the receiver unlinked the file when it took the message
+    assert _files(c0.generation) == []  # the receiver unlinked the file when it took the message
 
 
 @needs_shm
@@ -122,7 +127,7 @@ def test_without_shared_memory_on_either_side_messages_use_the_socket() -> None:
         finally:
             c0.close()
             c1.close()
-    assert _files("shm-off") == []
+        assert _files(c0.generation) == []
 
 
 @needs_shm
@@ -160,7 +165,7 @@ def test_unacknowledged_files_are_removed_when_the_receiver_is_gone() -> None:
     after, _ = c1._shm.write_message([np.ones(BIG, np.uint8)], 0)
     c1.close()
     assert not os.path.exists(after)
-    assert _files("shm-gone") == []
+    assert _files(c0.generation) == []
 
 
 def _die(comm: TcpCommunicator) -> None:
@@ -198,7 +203,7 @@ def test_files_of_a_killed_sender_are_removed_by_their_receiver() -> None:
     finally:
         c0.close()
         c1.close()
-    assert _files("shm-killed") == []
+    assert _files(c0.generation) == []
 
 
 def test_sweep_removes_only_files_for_the_rank_and_generation(tmp_path: Any) -> None:

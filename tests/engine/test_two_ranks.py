@@ -12,6 +12,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -30,7 +31,9 @@ NRANKS = 2
 
 def _connect(nranks: int) -> list[TcpCommunicator]:
     async def connect() -> list[TcpCommunicator]:
-        comms = [await TcpCommunicator.start(r, nranks, generation="g", token="secret") for r in range(nranks)]
+        # Unique: ranks share /dev/shm with other processes on the machine.
+        generation = f"g-{uuid.uuid4().hex[:8]}"
+        comms = [await TcpCommunicator.start(r, nranks, generation=generation, token="secret") for r in range(nranks)]
         root = comms[0].addresses[0]
         await asyncio.gather(*(c.rendezvous(None if c.rank == 0 else root, 30) for c in comms))
         return comms
