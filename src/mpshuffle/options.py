@@ -46,7 +46,10 @@ def parse_bytes(text: str) -> int:
     m = _SIZE.match(text)
     if m is None or m.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size in bytes: {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(size):  # "1e400"
+        raise ValueError(f"not a size in bytes: {text!r}")
+    return int(size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +161,13 @@ def _bool(name: str, value: Any) -> bool:
     raise OptionError(f"option {name!r} must be true or false, got {value!r}")
 
 
+# A bool is an int to Python, but ``timeout=True`` is a mistake, not one second.
+
+
 def _fraction(name: str, value: Any) -> float:
     try:
+        if isinstance(value, bool):
+            raise TypeError
         f = float(value)
     except (TypeError, ValueError):
         raise OptionError(f"option {name!r} must be a number in (0, 1], got {value!r}") from None
@@ -170,6 +178,8 @@ def _fraction(name: str, value: Any) -> float:
 
 def _seconds(name: str, value: Any) -> float:
     try:
+        if isinstance(value, bool):
+            raise TypeError
         f = float(value)
     except (TypeError, ValueError):
         raise OptionError(f"option {name!r} must be a positive number of seconds, got {value!r}") from None
@@ -182,8 +192,10 @@ def _bytes(name: str, value: Any) -> int:
     try:
         if isinstance(value, bool):
             raise TypeError
+        if isinstance(value, float) and not value.is_integer():  # 1.5, nan, inf
+            raise ValueError
         n = parse_bytes(value) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise OptionError(f"option {name!r} must be a number of bytes, got {value!r}") from None
     if n <= 0:
         raise OptionError(f"option {name!r} must be a positive number of bytes, got {value!r}")
@@ -196,7 +208,7 @@ def _spill_host(value: Any) -> float | int:
             value = float(value)
         except ValueError:
             return _bytes("spill_host", value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise OptionError(f"option 'spill_host' must be a fraction in (0, 1] or bytes, got {value!r}")
     if value <= 0:
         raise OptionError(f"option 'spill_host' must be positive, got {value!r}")

@@ -112,6 +112,19 @@ def test_host_budget_in_bytes() -> None:
         ("spill_dir", 3, "'spill_dir' must be a path or None"),
         ("shared_memory", "maybe", "'shared_memory' must be true or false"),
         ("shared_memory", 1, "'shared_memory' must be true or false"),
+        # Not finite, not whole, or a bool: an OptionError naming the option,
+        # never an OverflowError/ValueError from int() nor a silent 1.
+        ("spill_host", float("nan"), "'spill_host' must be a fraction in \\(0, 1\\] or bytes"),
+        ("spill_host", float("inf"), "'spill_host' must be a fraction in \\(0, 1\\] or bytes"),
+        ("spill_host", "1e400", "'spill_host' must be a fraction in \\(0, 1\\] or bytes"),
+        ("batch_bytes", "1e400", "'batch_bytes' must be a number of bytes"),
+        ("batch_bytes", float("inf"), "'batch_bytes' must be a number of bytes"),
+        ("batch_bytes", float("nan"), "'batch_bytes' must be a number of bytes"),
+        ("batch_bytes", 1.5, "'batch_bytes' must be a number of bytes"),
+        ("timeout", True, "'timeout' must be a positive number of seconds"),
+        ("bootstrap_timeout", False, "'bootstrap_timeout' must be a positive number of seconds"),
+        ("spill_device", True, "'spill_device' must be a number in \\(0, 1\\]"),
+        ("pool_size", True, "'pool_size' must be a number in \\(0, 1\\]"),
     ],
 )
 def test_invalid_values_raise_option_error(name: str, value: object, match: str) -> None:
