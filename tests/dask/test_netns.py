@@ -8,6 +8,11 @@ process through the bridge's address. Namespaces share ``/dev/shm`` (only the
 network stack is separate), and the transport would find its peers there, so
 these clusters run with ``shared_memory=False``, as between hosts.
 
+Tests: shuffle, merge and sort exact across the links; a host's link taken
+down mid-insert and mid-barrier (by the worker itself, from its
+communicator's handler, at a known message) and brought back; (a soak: to
+come).
+
 Needs root and ``ip`` (iproute2); skips with the reason otherwise. Every
 name carries a tag unique to the run, and everything made is removed at the
 end, on failure too.
@@ -26,6 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import dask.dataframe as dd
 import numpy as np
@@ -35,6 +41,7 @@ from distributed import Client
 
 from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, merge, shuffle, sort_values
+from mpshuffle.errors import ShuffleError
 
 NWORKERS = 3
 TIMEOUT = 5.0  # mpshuffle's timeout in these clusters, seconds
@@ -222,9 +229,19 @@ def _rows(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
 
 
 def _nothing_left(client: Client) -> None:
-    states = client.run(worker_state)
-    assert len(states) == NWORKERS
-    assert all(s["shufflers"] == [] and s["spill"] == [] for s in states.values()), states
+    """No run and no spill file left on any worker, within 10 s.
+
+    The scheduler tells the workers to end a run after the result's graph is
+    released, a message behind the result itself: allow it to arrive.
+    """
+    deadline = time.monotonic() + 10
+    while True:
+        states = client.run(worker_state)
+        assert len(states) == NWORKERS
+        if all(s["shufflers"] == [] and s["spill"] == [] for s in states.values()):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(180)
@@ -249,5 +266,84 @@ def test_shuffle_merge_and_sort_across_namespaces_exactly(hosts: Hosts, hclient:
 
     ordered = sort_values(dd.from_pandas(pdf, npartitions=5), ["k", "v"]).compute()
     pd.testing.assert_frame_equal(ordered.reset_index(drop=True), pdf.sort_values(["k", "v"]).reset_index(drop=True))
+    _nothing_left(hclient)
+
+
+def _cut_own_link_at(kind: str, inner: str, dask_worker: Any = None) -> None:
+    """Fault injection on a worker: when the first ``kind`` message arrives, take this host's link down.
+
+    Runs ``ip link set <inner> down`` inside the worker's own namespace, from
+    the communicator's handler, so the cut falls at a known point of the
+    shuffle (``"chunk"``: mid-insert; ``"finish"``: a peer done inserting,
+    mid-barrier), not after a guessed sleep. Armed for one cut only.
+    """
+    ctx = get_worker_context(dask_worker)
+    deliver = ctx._on_message
+    dask_worker.mpshuffle_cut = False
+
+    def handler(src: int, tag: Any, frames: Any) -> None:
+        if tag[2] == kind and not dask_worker.mpshuffle_cut:
+            dask_worker.mpshuffle_cut = True
+            subprocess.run(["ip", "link", "set", inner, "down"], check=True, timeout=10)
+        deliver(src, tag, frames)
+
+    ctx.comm.register_handler("mps", handler)
+
+
+def _heartbeat_ages(dask_scheduler: Any = None) -> dict[str, float]:
+    """Seconds since the scheduler last heard from each worker."""
+    from distributed.metrics import time as now
+
+    return {w: now() - ws.last_seen for w, ws in dask_scheduler.workers.items()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", ["chunk", "finish"])
+def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
+    hosts: Hosts, hclient: Client, kind: str
+) -> None:
+    gen = bootstrap_dask_cluster(hclient, timeout=TIMEOUT, shared_memory=False)
+    pdf = _frame(30_000, seed=3)
+    pd.testing.assert_frame_equal(_rows(shuffle(dd.from_pandas(pdf, npartitions=6), "k").compute(), ["v"]), pdf)
+    by_rank = {r: w for w, r in gen.ranks.items()}
+    # Rank 1's host: find its namespace by its address.
+    victim = by_rank[1]
+    i = hosts.addresses.index(victim.split("//")[1].rsplit(":", 1)[0])
+    hclient.run(_cut_own_link_at, kind, hosts.inner[i], workers=[victim])
+    t0 = time.monotonic()
+    future = hclient.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6))
+    outcome = "exact"
+    try:
+        try:
+            # Never a hang: a retry after the worker is dropped, or an error.
+            out = future.result(timeout=60)
+        except ShuffleError as e:
+            waited = time.monotonic() - t0
+            message = str(e)
+            outcome = "error"
+            assert message.split(" phase", 1)[0] in ("insert", "barrier", "extract"), message
+            assert any(f"rank {r} (worker {w})" in message for r, w in by_rank.items()), message
+            assert waited < TIMEOUT + 3, (waited, message)
+        else:
+            pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)  # retried: every row once
+    finally:
+        _ip("-n", hosts.namespaces[i], "link", "set", hosts.inner[i], "up")
+    print(f"link cut at first {kind!r} on rank 1: {outcome} after {time.monotonic() - t0:.1f} s")
+    # The host is back; if its worker gave up on the scheduler meanwhile, start it again.
+    deadline = time.monotonic() + 30
+    while len(hclient.scheduler_info()["workers"]) < NWORKERS and time.monotonic() < deadline:
+        if hosts.workers[i].poll() is not None:
+            hosts.spawn_worker(i)
+        time.sleep(0.2)
+    hclient.wait_for_workers(NWORKERS, timeout=60)
+    # TCP's retransmission backoff can hold the host's connections a few
+    # seconds past the link's return: wait until the scheduler hears every
+    # worker again, as a user would see the cluster healthy, then shuffle.
+    deadline = time.monotonic() + 30
+    while max(hclient.run_on_scheduler(_heartbeat_ages).values()) > 1.0:
+        assert time.monotonic() < deadline, hclient.run_on_scheduler(_heartbeat_ages)
+        time.sleep(0.2)
+    out = shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5).compute()
+    pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)
     _nothing_left(hclient)
 
