@@ -10,9 +10,9 @@ these clusters run with ``shared_memory=False``, as between hosts.
 
 Tests: shuffle, merge and sort exact across the links; a host's link taken
 down mid-insert and mid-barrier (by the worker itself, from its
-communicator's handler, at a known message) and brought back; a soak of
-many shuffles and merges on one client with every worker's threads, open
-files, RSS and spill directory checked flat.
+communicator's handler, at a known message) and brought back, or flapping
+for 1 s; a soak of many shuffles and merges on one client with every
+worker's threads, open files, RSS and spill directory checked flat.
 
 Needs root and ``ip`` (iproute2); skips with the reason otherwise. Every
 name carries a tag unique to the run, and everything made is removed at the
@@ -270,14 +270,18 @@ def test_shuffle_merge_and_sort_across_namespaces_exactly(hosts: Hosts, hclient:
     _nothing_left(hclient)
 
 
-def _cut_own_link_at(kind: str, inner: str, dask_worker: Any = None) -> None:
+def _cut_own_link_at(kind: str, inner: str, up_after: float | None = None, dask_worker: Any = None) -> None:
     """Fault injection on a worker: when the first ``kind`` message arrives, take this host's link down.
 
     Runs ``ip link set <inner> down`` inside the worker's own namespace, from
     the communicator's handler, so the cut falls at a known point of the
     shuffle (``"chunk"``: mid-insert; ``"finish"``: a peer done inserting,
-    mid-barrier), not after a guessed sleep. Armed for one cut only.
+    mid-barrier), not after a guessed sleep. Armed for one cut only. With
+    ``up_after`` the link comes back that many seconds later by itself (a
+    flap); otherwise it stays down until the test brings it up.
     """
+    import threading
+
     ctx = get_worker_context(dask_worker)
     deliver = ctx._on_message
     dask_worker.mpshuffle_cut = False
@@ -286,6 +290,8 @@ def _cut_own_link_at(kind: str, inner: str, dask_worker: Any = None) -> None:
         if tag[2] == kind and not dask_worker.mpshuffle_cut:
             dask_worker.mpshuffle_cut = True
             subprocess.run(["ip", "link", "set", inner, "down"], check=True, timeout=10)
+            if up_after is not None:
+                threading.Timer(up_after, subprocess.run, (["ip", "link", "set", inner, "up"],)).start()
         deliver(src, tag, frames)
 
     ctx.comm.register_handler("mps", handler)
@@ -299,9 +305,11 @@ def _heartbeat_ages(dask_scheduler: Any = None) -> dict[str, float]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["chunk", "finish"])
+@pytest.mark.parametrize(
+    ("kind", "up_after"), [("chunk", None), ("finish", None), ("chunk", 1.0)], ids=["insert", "barrier", "flap-1s"]
+)
 def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
-    hosts: Hosts, hclient: Client, kind: str
+    hosts: Hosts, hclient: Client, kind: str, up_after: float | None
 ) -> None:
     gen = bootstrap_dask_cluster(hclient, timeout=TIMEOUT, shared_memory=False)
     pdf = _frame(30_000, seed=3)
@@ -310,7 +318,7 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
     # Rank 1's host: find its namespace by its address.
     victim = by_rank[1]
     i = hosts.addresses.index(victim.split("//")[1].rsplit(":", 1)[0])
-    hclient.run(_cut_own_link_at, kind, hosts.inner[i], workers=[victim])
+    hclient.run(_cut_own_link_at, kind, hosts.inner[i], up_after, workers=[victim])
     t0 = time.monotonic()
     future = hclient.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6))
     outcome = "exact"
@@ -329,7 +337,7 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
             pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)  # retried: every row once
     finally:
         _ip("-n", hosts.namespaces[i], "link", "set", hosts.inner[i], "up")
-    print(f"link cut at first {kind!r} on rank 1: {outcome} after {time.monotonic() - t0:.1f} s")
+    print(f"link cut at first {kind!r} on rank 1 (up after {up_after} s): {outcome} after {time.monotonic() - t0:.1f} s")
     # The host is back; if its worker gave up on the scheduler meanwhile, start it again.
     deadline = time.monotonic() + 30
     while len(hclient.scheduler_info()["workers"]) < NWORKERS and time.monotonic() < deadline:
