@@ -8,10 +8,10 @@ process through the bridge's address. Namespaces share ``/dev/shm`` (only the
 network stack is separate), and the transport would find its peers there, so
 these clusters run with ``shared_memory=False``, as between hosts.
 
-Tests: shuffle, merge and sort exact across the links; a host's link taken
-down mid-insert and mid-barrier (by the worker itself, from its
-communicator's handler, at a known message) and brought back, or flapping
-for 1 s; a soak of many shuffles and merges on one client with every
+Tests: shuffle, merge and sort exact across the links (shuffle and merge
+over TLS as well); a host's link taken down mid-insert and mid-barrier (by
+the worker itself, from its communicator's handler, at a known message) and
+brought back, or flapping for 1 s; a soak of many shuffles and merges on one client with every
 worker's threads, open files, RSS and spill directory checked flat.
 
 Needs root and ``ip`` (iproute2); skips with the reason otherwise. Every
@@ -81,12 +81,34 @@ class Hosts:
     bridge: str = ""
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     tmp: str = ""
+    tls: bool = False
     workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     _env: dict[str, str] = field(default_factory=dict)
 
     @property
     def scheduler(self) -> str:
-        return f"tcp://{self.addresses[0]}:8786"
+        return f"{'tls' if self.tls else 'tcp'}://{self.addresses[0]}:8786"
+
+    def tls_files(self) -> dict[str, str]:
+        """PEM files of a self-signed certificate (its own CA) that every process presents."""
+        return {k: os.path.join(self.tmp, f"{k}.pem") for k in ("ca", "cert", "key")}
+
+    def security(self) -> Any:
+        """The client's :class:`distributed.security.Security` (``None`` over plain TCP)."""
+        if not self.tls:
+            return None
+        from distributed.security import Security
+
+        f = self.tls_files()
+        return Security(
+            tls_ca_file=f["ca"], tls_client_cert=f["cert"], tls_client_key=f["key"], require_encryption=True
+        )
+
+    def _tls_args(self) -> list[str]:
+        if not self.tls:
+            return []
+        f = self.tls_files()
+        return ["--tls-ca-file", f["ca"], "--tls-cert", f["cert"], "--tls-key", f["key"]]
 
     def up(self) -> None:
         self.bridge = f"b{self.tag}"
@@ -118,9 +140,18 @@ class Hosts:
         env["DASK_MPSHUFFLE__TIMEOUT"] = str(TIMEOUT)
 
         self._env = env
+        if self.tls:
+            from distributed.security import Security
+
+            temporary = Security.temporary()  # PEM text, not paths
+            f = self.tls_files()
+            Path(f["ca"]).write_text(temporary.tls_ca_file)
+            Path(f["cert"]).write_text(temporary.tls_scheduler_cert)
+            Path(f["key"]).write_text(temporary.tls_scheduler_key)
         self.spawn(
             self.namespaces[0],
-            ["scheduler", "--host", self.addresses[0], "--port", "8786", "--no-dashboard"],
+            ["scheduler", "--host", self.addresses[0], "--port", "8786", "--no-dashboard",
+             *(["--protocol", "tls"] if self.tls else []), *self._tls_args()],
             "scheduler.log",
         )
         for i in range(1, NWORKERS + 1):
@@ -144,7 +175,7 @@ class Hosts:
             [
                 "worker", self.scheduler, "--nthreads", "1", "--nworkers", "1", "--no-nanny",
                 "--host", self.addresses[i], "--no-dashboard", "--memory-limit", "2GiB",
-                "--local-directory", os.path.join(self.tmp, f"w{i}"),
+                "--local-directory", os.path.join(self.tmp, f"w{i}"), *self._tls_args(),
             ],
             f"worker{i}.log",
         )
@@ -193,10 +224,20 @@ def _can_make_namespaces() -> str | None:
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
     """Scheduler and :data:`NWORKERS` workers, each in its own namespace, for a test module."""
+    yield from _made_hosts(tls=False)
+
+
+@pytest.fixture(scope="module")
+def tls_hosts() -> Iterator[Hosts]:
+    """As :func:`hosts`, every connection over TLS (a self-signed certificate, encryption required)."""
+    yield from _made_hosts(tls=True)
+
+
+def _made_hosts(tls: bool) -> Iterator[Hosts]:
     reason = _can_make_namespaces()
     if reason:
         pytest.skip(reason)
-    h = Hosts(tag=f"{os.getpid() % 1000:03d}{secrets.token_hex(1)}", subnet=_free_subnet())
+    h = Hosts(tag=f"{os.getpid() % 1000:03d}{secrets.token_hex(2)}", subnet=_free_subnet(), tls=tls)
     try:
         try:
             h.up()
@@ -211,8 +252,12 @@ def hosts() -> Iterator[Hosts]:
 @pytest.fixture
 def hclient(hosts: Hosts) -> Iterator[Client]:
     """A client in the root namespace, connected across the bridge; all workers present."""
+    yield from _client(hosts)
+
+
+def _client(hosts: Hosts) -> Iterator[Client]:
     try:
-        with Client(hosts.scheduler, timeout=30) as c:
+        with Client(hosts.scheduler, timeout=30, security=hosts.security()) as c:
             c.wait_for_workers(NWORKERS, timeout=60)
             yield c
     except Exception:
@@ -412,3 +457,27 @@ def test_soak_many_shuffles_and_merges_stay_flat(hosts: Hosts, hclient: Client) 
         assert a["fds"] <= b["fds"] + 8, (w, b, a)
         assert a["rss"] - b["rss"] < 64 * 2**20, (w, b, a)
         assert a["spill"] == [] and a["shufflers"] == [], (w, a)
+
+
+@pytest.fixture
+def tls_client(tls_hosts: Hosts) -> Iterator[Client]:
+    """A client of :func:`tls_hosts`, as :func:`hclient`."""
+    yield from _client(tls_hosts)
+
+
+@pytest.mark.timeout(180)
+def test_shuffle_and_merge_across_namespaces_over_tls_exactly(tls_client: Client) -> None:
+    client = tls_client
+    gen = bootstrap_dask_cluster(client, timeout=TIMEOUT, shared_memory=False)
+    assert all(a.startswith("tls://") for a in gen.ranks), gen.ranks
+    listening = client.run(lambda dask_worker: str(get_worker_context(dask_worker).comm.addresses))
+    assert all("tls://" in a and "tcp://" not in a for a in listening.values()), listening
+    pdf = _frame(20_000, seed=5)
+    out = shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=7).compute()
+    pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)
+    left = _frame(4000, seed=6)
+    right = pd.DataFrame({"k": np.arange(0, 500, 2), "w": np.arange(250) * 10})
+    joined = merge(dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3), on="k").compute()
+    want = left.merge(right, on="k")
+    pd.testing.assert_frame_equal(_rows(joined, ["v"])[list(want.columns)], _rows(want, ["v"]))
+    _nothing_left(client)
