@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,3 +82,17 @@ def check_device_output(
         if len(p["key"]):
             ids = adapter.partition_ids(DeviceTable(p), ["key"], npart)
             assert set(np.unique(ids).tolist()) == {j}
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30) -> Any:
+    """Poll ``predicate`` every 50 ms until it returns something true, and return that.
+
+    Raises ``AssertionError`` naming ``what`` after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")

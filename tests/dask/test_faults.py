@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import dask.dataframe as dd
@@ -27,6 +27,7 @@ import pandas as pd
 import pytest
 from distributed import Client, Event, LocalCluster, rejoin, secede
 
+from conftest import wait_for as _wait_for
 from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, shuffle
 from mpshuffle.errors import BootstrapError
@@ -56,16 +57,6 @@ def _held(pdf: pd.DataFrame, npartitions: int) -> tuple[dd.DataFrame, str]:
     name = f"go-{uuid.uuid4().hex[:8]}"
     df = dd.from_pandas(pdf, npartitions=npartitions).map_partitions(_hold, name, meta=pdf.iloc[:0])
     return df, name
-
-
-def _wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _plugin_state(dask_scheduler):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ import pytest
 from dask.base import collections_to_expr, tokenize
 from distributed import Client, LocalCluster
 
+from conftest import wait_for as _wait_for
 from mpshuffle.config import resolve_options
 from mpshuffle.dask import (
     bootstrap_dask_cluster,
@@ -40,16 +41,6 @@ def _frame(n: int = 400) -> pd.DataFrame:
 def _check(out: pd.DataFrame, expected: pd.DataFrame) -> None:
     got = out.sort_values("v").reset_index(drop=True)[["k", "v"]]
     pd.testing.assert_frame_equal(got, expected.sort_values("v").reset_index(drop=True)[["k", "v"]])
-
-
-def _wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _options_everywhere(client: Client) -> set[tuple[Any, ...]]:
