@@ -1,12 +1,8 @@
 """Several hosts on one machine: each rank in its own network namespace (issue 18).
 
-A scheduler and three ``dask worker --nthreads 1`` processes each run in a
-network namespace of their own, joined by veth pairs to a bridge in the root
-namespace, each with its own address on a private /24 (``10.77.X.0/24``), so
-every byte between ranks crosses a link. The client connects from the test
-process through the bridge's address. Namespaces share ``/dev/shm`` (only the
-network stack is separate), and the transport would find its peers there, so
-these clusters run with ``shared_memory=False``, as between hosts.
+A scheduler and three ``dask worker --nthreads 1`` processes, each in a
+network namespace of its own on a bridge, with ``shared_memory=False`` so
+every byte between ranks crosses a link: the harness is ``tests/netns.py``.
 
 Tests: shuffle, merge and sort exact across the links (shuffle and merge
 over TLS as well); a host's link taken down mid-insert and mid-barrier (by
@@ -14,24 +10,15 @@ the worker itself, from its communicator's handler, at a known message) and
 brought back, or flapping for 1 s; a soak of many shuffles and merges on one client with every
 worker's threads, open files, RSS and spill directory checked flat.
 
-Needs root and ``ip`` (iproute2); skips with the reason otherwise. Every
-name carries a tag unique to the run, and everything made is removed at the
-end, on failure too.
+Needs root and ``ip`` (iproute2); skips with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import dask.dataframe as dd
@@ -43,210 +30,19 @@ from distributed import Client
 from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, merge, shuffle, sort_values
 from mpshuffle.errors import ShuffleError
-
-NWORKERS = 3
-TIMEOUT = 5.0  # mpshuffle's timeout in these clusters, seconds
-HERE = Path(__file__).resolve().parent
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def _free_subnet() -> int:
-    """A third octet X such that no interface already has an address in 10.77.X.0/24."""
-    used = _ip("-4", "-o", "addr").stdout
-    for _ in range(100):
-        x = secrets.randbelow(250) + 2
-        if f" 10.77.{x}." not in used:
-            return x
-    raise RuntimeError("no free 10.77.X.0/24 subnet")
-
-
-@dataclass
-class Hosts:
-    """A scheduler and workers, each in its own network namespace (see the module docstring).
-
-    ``namespaces[0]`` holds the scheduler, ``namespaces[i]`` worker ``i``
-    (1-based); ``links[i]`` is the root-side end of namespace ``i``'s veth
-    pair and ``inner[i]`` the end inside it; ``addresses[i]`` its IPv4 address.
-    """
-
-    tag: str
-    subnet: int
-    namespaces: list[str] = field(default_factory=list)
-    links: list[str] = field(default_factory=list)
-    inner: list[str] = field(default_factory=list)
-    addresses: list[str] = field(default_factory=list)
-    bridge: str = ""
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    tmp: str = ""
-    tls: bool = False
-    workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
-    _env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def scheduler(self) -> str:
-        return f"{'tls' if self.tls else 'tcp'}://{self.addresses[0]}:8786"
-
-    def tls_files(self) -> dict[str, str]:
-        """PEM files of a self-signed certificate (its own CA) that every process presents."""
-        return {k: os.path.join(self.tmp, f"{k}.pem") for k in ("ca", "cert", "key")}
-
-    def security(self) -> Any:
-        """The client's :class:`distributed.security.Security` (``None`` over plain TCP)."""
-        if not self.tls:
-            return None
-        from distributed.security import Security
-
-        f = self.tls_files()
-        return Security(
-            tls_ca_file=f["ca"], tls_client_cert=f["cert"], tls_client_key=f["key"], require_encryption=True
-        )
-
-    def _tls_args(self) -> list[str]:
-        if not self.tls:
-            return []
-        f = self.tls_files()
-        return ["--tls-ca-file", f["ca"], "--tls-cert", f["cert"], "--tls-key", f["key"]]
-
-    def up(self) -> None:
-        self.bridge = f"b{self.tag}"
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"10.77.{self.subnet}.1/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        for i in range(NWORKERS + 1):
-            ns, outer, inner = f"mps-{self.tag}-{i}", f"v{self.tag}{i}", f"p{self.tag}{i}"
-            address = f"10.77.{self.subnet}.{i + 2}"
-            _ip("netns", "add", ns)
-            self.namespaces.append(ns)
-            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-            self.links.append(outer)
-            self.inner.append(inner)
-            _ip("link", "set", inner, "netns", ns)
-            _ip("link", "set", outer, "master", self.bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inner)
-            _ip("-n", ns, "link", "set", inner, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            self.addresses.append(address)
-
-    def start(self) -> None:
-        self.tmp = tempfile.mkdtemp(prefix=f"mps-{self.tag}-")
-        env = dict(os.environ)
-        # Functions a test sends with client.run are pickled by reference to
-        # this module and conftest: make both importable on the workers.
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
-        env["DASK_MPSHUFFLE__SHARED_MEMORY"] = "False"
-        env["DASK_MPSHUFFLE__TIMEOUT"] = str(TIMEOUT)
-
-        self._env = env
-        if self.tls:
-            from distributed.security import Security
-
-            temporary = Security.temporary()  # PEM text, not paths
-            f = self.tls_files()
-            Path(f["ca"]).write_text(temporary.tls_ca_file)
-            Path(f["cert"]).write_text(temporary.tls_scheduler_cert)
-            Path(f["key"]).write_text(temporary.tls_scheduler_key)
-        self.spawn(
-            self.namespaces[0],
-            ["scheduler", "--host", self.addresses[0], "--port", "8786", "--no-dashboard",
-             *(["--protocol", "tls"] if self.tls else []), *self._tls_args()],
-            "scheduler.log",
-        )
-        for i in range(1, NWORKERS + 1):
-            self.spawn_worker(i)
-
-    def spawn(self, ns: str, args: list[str], log: str) -> subprocess.Popen[bytes]:
-        dask_cli = str(Path(sys.executable).parent / "dask")
-        out = open(os.path.join(self.tmp, log), "ab")  # noqa: SIM115 - closed with the process
-        self.procs.append(
-            subprocess.Popen(
-                ["ip", "netns", "exec", ns, dask_cli, *args], env=self._env, stdout=out, stderr=subprocess.STDOUT
-            )
-        )
-        out.close()  # the child holds its own copy
-        return self.procs[-1]
-
-    def spawn_worker(self, i: int) -> None:
-        """Start worker ``i`` (1-based) in its namespace; again, after it has gone."""
-        self.workers[i] = self.spawn(
-            self.namespaces[i],
-            [
-                "worker", self.scheduler, "--nthreads", "1", "--nworkers", "1", "--no-nanny",
-                "--host", self.addresses[i], "--no-dashboard", "--memory-limit", "2GiB",
-                "--local-directory", os.path.join(self.tmp, f"w{i}"), *self._tls_args(),
-            ],
-            f"worker{i}.log",
-        )
-
-    def logs(self) -> str:
-        text = []
-        for name in sorted(os.listdir(self.tmp)) if self.tmp else []:
-            path = os.path.join(self.tmp, name)
-            if os.path.isfile(path):
-                text.append(f"--- {name}\n" + Path(path).read_text(errors="replace")[-3000:])
-        return "\n".join(text)
-
-    def down(self) -> None:
-        """Stop every process and remove every namespace, link and the bridge; never raises."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        for ns in self.namespaces:
-            _ip("netns", "del", ns, check=False)  # takes its veth pair with it
-        for link in self.links:
-            _ip("link", "del", link, check=False)
-        if self.bridge:
-            _ip("link", "del", self.bridge, check=False)
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _can_make_namespaces() -> str | None:
-    """Why namespaces cannot be made here, or ``None`` when they can."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "network namespaces need root"
-    if shutil.which("ip") is None:
-        return "no `ip` (iproute2) on PATH"
-    if not (Path(sys.executable).parent / "dask").exists():
-        return "no `dask` command next to this Python"
-    return None
+from netns import NWORKERS, TIMEOUT, Hosts, ip, made_hosts
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
     """Scheduler and :data:`NWORKERS` workers, each in its own namespace, for a test module."""
-    yield from _made_hosts(tls=False)
+    yield from made_hosts(tls=False)
 
 
 @pytest.fixture(scope="module")
 def tls_hosts() -> Iterator[Hosts]:
     """As :func:`hosts`, every connection over TLS (a self-signed certificate, encryption required)."""
-    yield from _made_hosts(tls=True)
-
-
-def _made_hosts(tls: bool) -> Iterator[Hosts]:
-    reason = _can_make_namespaces()
-    if reason:
-        pytest.skip(reason)
-    h = Hosts(tag=f"{os.getpid() % 1000:03d}{secrets.token_hex(2)}", subnet=_free_subnet(), tls=tls)
-    try:
-        try:
-            h.up()
-        except subprocess.CalledProcessError as e:
-            pytest.skip(f"cannot make network namespaces here: {' '.join(e.cmd)}: {e.stderr.strip()}")
-        h.start()
-        yield h
-    finally:
-        h.down()
+    yield from made_hosts(tls=True)
 
 
 @pytest.fixture
@@ -381,7 +177,7 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
         else:
             pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)  # retried: every row once
     finally:
-        _ip("-n", hosts.namespaces[i], "link", "set", hosts.inner[i], "up")
+        ip("-n", hosts.namespaces[i], "link", "set", hosts.inner[i], "up")
     print(f"link cut at first {kind!r} on rank 1 (up after {up_after} s): {outcome} after {time.monotonic() - t0:.1f} s")
     # The host is back; if its worker gave up on the scheduler meanwhile, start it again.
     deadline = time.monotonic() + 30
