@@ -17,7 +17,9 @@ made, on failure too.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -39,6 +41,38 @@ HERE = Path(__file__).resolve().parent
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def tc(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["tc", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+#: How long a packet may wait in a rate limit's queue, seconds (tbf's
+#: ``latency``; with the rate it sets the queue's length in bytes). 10 ms
+#: holds 1.25 MB at 1 Gbit/s and 12.5 MB at 10 Gbit/s: far more than the
+#: tens-of-microseconds round trip of a veth pair times the rate (what TCP
+#: needs queued to keep the link busy), and a shallow enough queue that a
+#: full one shows as drops and retransmissions rather than as seconds of
+#: delay that the 5 s test ``timeout`` would mistake for a dead rank.
+RATE_LATENCY = 0.010
+#: Seconds of rate that a limit's bucket holds (tbf's ``burst``). tbf can
+#: only release tokens on a timer tick, so the bucket must hold at least
+#: ``rate / HZ`` bytes or the link cannot reach its rate (tc-tbf(8)); 10 ms
+#: covers any kernel HZ >= 100 (this machine's is 250: 4 ms).
+RATE_BURST_SECONDS = 0.010
+#: The smallest bucket, bytes. veth pairs pass TSO/GSO packets of up to
+#: 64 KiB whole; a bucket smaller than one makes tbf cut every such packet
+#: into MTU segments (CPU per packet, and the rate is then met only
+#: approximately). Four of them let a burst of a few packets through whole.
+RATE_MIN_BURST = 4 * 64 * 1024
+
+
+def rate_burst(bits_per_s: float) -> int:
+    """Bytes in the bucket of a :meth:`Hosts.limit_rate` limit of ``bits_per_s``: what passes at once."""
+    return max(int(bits_per_s / 8 * RATE_BURST_SECONDS), RATE_MIN_BURST)
+
+
+_TBF_STATS = re.compile(r"qdisc tbf .*?Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)", re.DOTALL)
 
 
 def _free_subnet() -> int:
@@ -74,6 +108,7 @@ class Hosts:
     timeout: float = TIMEOUT
     memory_limit: str = "2GiB"
     workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    limited: set[int] = field(default_factory=set)
     _env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -100,6 +135,71 @@ class Hosts:
             return []
         f = self.tls_files()
         return ["--tls-ca-file", f["ca"], "--tls-cert", f["cert"], "--tls-key", f["key"]]
+
+    def limit_rate(self, bits_per_s: float, i: int | None = None) -> None:
+        """Limit host ``i``'s link (every host's when ``None``) to ``bits_per_s`` in each direction.
+
+        A token-bucket filter (``tc qdisc replace ... tbf``) on both ends of
+        each veth pair: inside the namespace on ``inner[i]`` (what the host
+        sends) and in the root namespace on ``links[i]`` (what the bridge
+        forwards to the host), as a host with a full-duplex NIC of that speed
+        on a switch. A byte from worker ``a`` to worker ``b`` so passes two
+        limits in turn (``a``'s uplink, ``b``'s downlink). Replaces any limit
+        already there. Burst and queue: :data:`RATE_BURST_SECONDS`,
+        :data:`RATE_MIN_BURST`, :data:`RATE_LATENCY`.
+
+        Parameters
+        ----------
+        bits_per_s
+            Rate in bits per second (``1e9`` is 1 Gbit/s); at least 1e6.
+        i
+            Index into :attr:`namespaces` (0 the scheduler, ``k`` worker
+            ``k``), or ``None`` for all of them.
+
+        Raises
+        ------
+        ValueError
+            If ``bits_per_s`` is below 1e6 (tbf's bucket of 64 KiB packets
+            would then hold seconds of traffic) or ``i`` names no host.
+        subprocess.CalledProcessError
+            If ``tc`` refuses (no ``sch_tbf`` in the kernel).
+        """
+        if not bits_per_s >= 1e6:
+            raise ValueError(f"rate must be at least 1e6 bits/s, got {bits_per_s!r}")
+        hosts = range(len(self.namespaces)) if i is None else [i]
+        if i is not None and not 0 <= i < len(self.namespaces):
+            raise ValueError(f"no host {i}: there are {len(self.namespaces)} (0 is the scheduler)")
+        rate = int(bits_per_s)
+        spec = ["root", "tbf", "rate", f"{rate}bit", "burst", str(rate_burst(bits_per_s)), "latency", f"{RATE_LATENCY * 1e3:g}ms"]
+        for k in hosts:
+            tc("-n", self.namespaces[k], "qdisc", "replace", "dev", self.inner[k], *spec)
+            tc("qdisc", "replace", "dev", self.links[k], *spec)
+            self.limited.add(k)
+
+    def unlimit(self) -> None:
+        """Remove every limit :meth:`limit_rate` set (back to the veth's own speed); never raises."""
+        for k in sorted(self.limited):
+            tc("-n", self.namespaces[k], "qdisc", "del", "dev", self.inner[k], "root", check=False)
+            tc("qdisc", "del", "dev", self.links[k], "root", check=False)
+        self.limited.clear()
+
+    def rate_counters(self) -> dict[str, dict[str, int]]:
+        """The rate limits' counters: ``{device: {"sent_bytes", "overlimits", "dropped"}}``.
+
+        One entry per limited device, ``inner[i]`` and ``links[i]`` of every
+        limited host, read from ``tc -s qdisc``. ``overlimits`` counts the
+        times a packet had to wait for tokens: above zero, the limit held
+        traffic back.
+        """
+        out: dict[str, dict[str, int]] = {}
+        for k in sorted(self.limited):
+            for prefix, dev in ((["-n", self.namespaces[k]], self.inner[k]), ([], self.links[k])):
+                text = tc(*prefix, "-s", "qdisc", "show", "dev", dev).stdout
+                m = _TBF_STATS.search(text)
+                if m is None:
+                    raise RuntimeError(f"no tbf on {dev}: {text!r}")
+                out[dev] = {"sent_bytes": int(m[1]), "dropped": int(m[2]), "overlimits": int(m[3])}
+        return out
 
     def up(self) -> None:
         self.bridge = f"b{self.tag}"
@@ -149,11 +249,13 @@ class Hosts:
             self.spawn_worker(i)
 
     def spawn(self, ns: str, args: list[str], log: str) -> subprocess.Popen[bytes]:
-        dask_cli = str(Path(sys.executable).parent / "dask")
+        command = dask_command()
+        if command is None:
+            raise RuntimeError(can_make_namespaces())
         out = open(os.path.join(self.tmp, log), "ab")  # noqa: SIM115 - closed with the process
         self.procs.append(
             subprocess.Popen(
-                ["ip", "netns", "exec", ns, dask_cli, *args], env=self._env, stdout=out, stderr=subprocess.STDOUT
+                ["ip", "netns", "exec", ns, *command, *args], env=self._env, stdout=out, stderr=subprocess.STDOUT
             )
         )
         out.close()  # the child holds its own copy
@@ -201,14 +303,39 @@ class Hosts:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def dask_command() -> list[str] | None:
+    """The command that starts ``dask scheduler`` / ``dask worker`` with this Python's packages.
+
+    The ``dask`` script next to :data:`sys.executable` (a virtual
+    environment's), else ``python -m dask`` with this very interpreter, which
+    finds dask, distributed and mpshuffle on ``sys.path``/``PYTHONPATH`` as
+    this process does (where they come from a ``PYTHONPATH`` folder, the
+    ``dask`` script there names the interpreter that installed it, perhaps
+    not this one). ``None`` if this Python cannot import distributed.
+    """
+    beside = Path(sys.executable).parent / "dask"
+    if beside.exists():
+        return [str(beside)]
+    if importlib.util.find_spec("distributed") is None:
+        return None
+    return [sys.executable, "-m", "dask"]
+
+
 def can_make_namespaces() -> str | None:
     """Why namespaces cannot be made here, or ``None`` when they can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "no `ip` (iproute2) on PATH"
-    if not (Path(sys.executable).parent / "dask").exists():
-        return "no `dask` command next to this Python"
+    if dask_command() is None:
+        return f"distributed is not importable by {sys.executable} (no `dask` command to start the cluster)"
+    return None
+
+
+def can_limit_rate() -> str | None:
+    """Why :meth:`Hosts.limit_rate` cannot work here (no ``tc``), or ``None``."""
+    if shutil.which("tc") is None:
+        return "no `tc` (iproute2) on PATH"
     return None
 
 
