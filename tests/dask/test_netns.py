@@ -5,7 +5,7 @@ network namespace of its own on a bridge, with ``shared_memory=False`` so
 every byte between ranks crosses a link: the harness is ``tests/netns.py``.
 
 Tests: shuffle, merge and sort exact across the links (shuffle and merge
-over TLS as well); a host's link taken down mid-insert and mid-barrier (by
+over TLS as well, a sort too); a host's link taken down mid-insert and mid-barrier (by
 the worker itself, from its communicator's handler, at a known message) or
 mid-extract (after its first output partition is handed out) and brought
 back, or flapping for 1 s: after each, the next shuffle is exact and every
@@ -397,7 +397,7 @@ def tls_client(tls_hosts: Hosts) -> Iterator[Client]:
 
 
 @pytest.mark.timeout(180)
-def test_shuffle_and_merge_across_namespaces_over_tls_exactly(tls_client: Client) -> None:
+def test_shuffle_merge_and_sort_across_namespaces_over_tls_exactly(tls_client: Client) -> None:
     client = tls_client
     gen = bootstrap_dask_cluster(client, timeout=TIMEOUT, shared_memory=False)
     assert all(a.startswith("tls://") for a in gen.ranks), gen.ranks
@@ -411,4 +411,9 @@ def test_shuffle_and_merge_across_namespaces_over_tls_exactly(tls_client: Client
     joined = merge(dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3), on="k").compute()
     want = left.merge(right, on="k")
     pd.testing.assert_frame_equal(_rows(joined, ["v"])[list(want.columns)], _rows(want, ["v"]))
+    # A sort: its sample and range partitioner, over TLS too.
+    ordered = sort_values(dd.from_pandas(pdf, npartitions=5), ["k", "v"]).compute()
+    pd.testing.assert_frame_equal(ordered.reset_index(drop=True), pdf.sort_values(["k", "v"]).reset_index(drop=True))
+    sent = client.run(lambda dask_worker: get_worker_context(dask_worker).comm.bytes_sent)
+    assert all(n > 0 for n in sent.values()), sent
     _nothing_left(client)
