@@ -93,6 +93,12 @@ class Options:
         memory (``/dev/shm``) instead of their socket (a ``bool``, or one of
         ``"true"``/``"false"``, ``"yes"``/``"no"``, ``"on"``/``"off"``,
         ``"1"``/``"0"`` as environment variables give it).
+    preload_kernels
+        Whether each worker loads the insert's compiled kernels (numba's
+        cache, or a compile where it has none) on a thread of its own as soon
+        as it joins a generation, instead of in its first insert
+        (:func:`mpshuffle.table.warm.warm_up`; once per worker process). A
+        ``bool``, or a string as for ``shared_memory``.
 
     Raises
     ------
@@ -108,6 +114,7 @@ class Options:
     pool_size: float | None = None
     batch_bytes: int = 4 * 2**20
     shared_memory: bool = True
+    preload_kernels: bool = True
 
     def __post_init__(self) -> None:
         spill_dir = self.spill_dir
@@ -122,6 +129,7 @@ class Options:
             "pool_size": None if self.pool_size is None else _fraction("pool_size", self.pool_size),
             "batch_bytes": _bytes("batch_bytes", self.batch_bytes),
             "shared_memory": _bool("shared_memory", self.shared_memory),
+            "preload_kernels": _bool("preload_kernels", self.preload_kernels),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from distributed import Client
 
-from conftest import worker_state
+from conftest import wait_for, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context
 from mpshuffle.errors import OptionError
 
@@ -121,3 +121,40 @@ def test_only_timeouts_retire_a_generation(client: Client) -> None:
         return len(plugin.runs)
 
     assert client.run_on_scheduler(forget) == 0
+
+
+def _warmed_up() -> float | None:
+    from mpshuffle.table.warm import warmed_up
+
+    return warmed_up()
+
+
+def test_workers_load_the_kernels_when_they_join(client: Client) -> None:
+    bootstrap_dask_cluster(client)
+    # In the background: the bootstrap returned before it necessarily ended.
+    seconds = wait_for(lambda: (s := client.run(_warmed_up)) and all(v is not None for v in s.values()) and s,
+                       "every worker to load the kernels")
+    assert sorted(seconds) == sorted(client.scheduler_info()["workers"])
+    assert all(v > 0 for v in seconds.values())
+
+
+def test_without_preload_the_first_insert_loads_the_kernels() -> None:
+    import pandas as pd
+    from dask import dataframe as dd
+    from distributed import LocalCluster
+
+    from mpshuffle.dask import shuffle
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                     memory_limit="2GiB") as cluster,
+        Client(cluster) as client,
+    ):
+        bootstrap_dask_cluster(client, preload_kernels=False)
+        frame = pd.DataFrame({"k": range(400), "v": [float(i) for i in range(400)]})
+        out = shuffle(dd.from_pandas(frame, npartitions=4), "k", npartitions=3).compute()
+        assert sorted(out["k"]) == list(range(400))
+        assert set(client.run(_warmed_up).values()) == {None}
+        # The option travels with the generation: the next one may turn it on.
+        bootstrap_dask_cluster(client, preload_kernels=True)
+        wait_for(lambda: None not in client.run(_warmed_up).values(), "the kernels to load")

@@ -35,6 +35,7 @@ def test_shipped_defaults_are_registered_with_dask_config(clean_env: pytest.Monk
     assert opts == Options() == Options(
         timeout=300.0, bootstrap_timeout=30.0, spill_host=0.25, spill_dir=None,
         spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20, shared_memory=True,
+        preload_kernels=True,
     )
     # The defaults are written once, in Options: dask.config holds exactly them.
     assert dask.config.get("mpshuffle") == Options().as_dict()
@@ -54,6 +55,10 @@ def test_environment_overrides_defaults_and_kwargs_override_both(clean_env: pyte
     dask.config.refresh()
     assert resolve_options().shared_memory is False
     assert resolve_options(shared_memory=True).shared_memory is True
+    clean_env.setenv("DASK_MPSHUFFLE__PRELOAD_KERNELS", "off")
+    dask.config.refresh()
+    assert resolve_options().preload_kernels is False
+    assert resolve_options(preload_kernels=True).preload_kernels is True
 
     opts = resolve_options(spill_host=0.5, timeout=3, spill_dir="/tmp/from-kwargs")
     assert (opts.spill_host, opts.timeout, opts.spill_dir) == (0.5, 3.0, "/tmp/from-kwargs")
@@ -112,6 +117,7 @@ def test_host_budget_in_bytes() -> None:
         ("spill_dir", 3, "'spill_dir' must be a path or None"),
         ("shared_memory", "maybe", "'shared_memory' must be true or false"),
         ("shared_memory", 1, "'shared_memory' must be true or false"),
+        ("preload_kernels", "later", "'preload_kernels' must be true or false"),
         # Not finite, not whole, or a bool: an OptionError naming the option,
         # never an OverflowError/ValueError from int() nor a silent 1.
         ("spill_host", float("nan"), "'spill_host' must be a fraction in \\(0, 1\\] or bytes"),

@@ -41,7 +41,7 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
         Overrides of the ``mpshuffle.*`` options of :mod:`dask.config`
         (``comm``, ``timeout``, ``bootstrap_timeout``, ``spill_host``,
         ``spill_dir``, ``spill_device``, ``pool_size``, ``batch_bytes``,
-        ``shared_memory``);
+        ``shared_memory``, ``preload_kernels``);
         see :class:`mpshuffle.config.Options`. Resolved here, on the client.
 
     Returns

@@ -47,7 +47,9 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     ``mpshuffle_bootstrap(spec)``
         Become this worker's rank of a new generation (a :class:`BootstrapSpec`):
         listen, learn the root's address from the scheduler plugin (or
-        publish it, on rank 0), connect, and meet the others at the barrier.
+        publish it, on rank 0), connect, and meet the others at the barrier;
+        then, with option ``preload_kernels``, start loading the insert's
+        kernels in the background (:func:`mpshuffle.table.warm.warm_up`).
         Contexts of older generations stay open for the runs still using
         them, until the scheduler closes them.
     ``mpshuffle_close_generation(generation)``
@@ -74,6 +76,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         self.current: str | None = None
         self.runs: dict[str, RunInfo] = {}
         self._bootstrap_lock: asyncio.Lock | None = None
+        self._preloading: asyncio.Future[None] | None = None
 
     @property
     def context(self) -> WorkerContext | None:
@@ -171,7 +174,16 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 workers=workers,
             )
             self.current = generation
+            if options.preload_kernels:
+                self._preload()
             return Joined(rank, comm.addresses[rank])
+
+    def _preload(self) -> None:
+        # Not awaited: the bootstrap (and its timeout) does not wait for it.
+        # Once per process (warm_up returns at once after the first time), on
+        # the loop's executor, which the plugin's other blocking calls use too.
+        if self._preloading is None:
+            self._preloading = asyncio.get_running_loop().run_in_executor(None, _warm_up)
 
     async def close_generation(self, generation: str) -> None:
         """Close generation ``generation`` on this worker (RPC handler); unknown ids are ignored."""
@@ -355,6 +367,15 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         except Exception:
             logger.debug("mpshuffle: no verdict from the scheduler on op %d", run.op_id, exc_info=True)
             return Verdict(restart=False)
+
+
+def _warm_up() -> None:
+    from mpshuffle.table.warm import warm_up
+
+    try:
+        warm_up()
+    except Exception:  # the first insert loads them again and reports what fails
+        logger.warning("mpshuffle: loading the insert's kernels ahead failed", exc_info=True)
 
 
 def _listen_address(worker_address: str) -> str:

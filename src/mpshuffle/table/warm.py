@@ -1,0 +1,84 @@
+"""Load the insert's compiled kernels ahead of the first insert: :func:`warm_up`.
+
+The kernels (:mod:`mpshuffle.table._kernels`) are numba functions compiled
+once per machine into numba's cache, but every process still loads them on
+first use: importing numba, then one cache load per combination of argument
+types (key and column dtypes, the width of partition ids). On the 2-core
+development machine the first insert of a fresh worker spent 1.0-1.4 s
+(0.4-0.9 CPU-s) there, and compiling from an empty cache takes seconds.
+:func:`warm_up` does that work on a tiny frame of the common column types,
+through the same code path as a real insert, so the signatures it loads are
+the ones a real insert of such columns asks for. The Dask worker plugin runs
+it on a thread when it is set up on a worker (option ``warm_up``), so the
+cost moves out of the first shuffle's inserts; numba releases the GIL often
+enough on the way (longest hold measured: 0.2 s) that the worker's event loop
+and heartbeats keep going.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+__all__ = ["warm_up", "warmed_up"]
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_DONE: list[float] = []  # seconds the warm-up of this process took, once done
+
+#: Partition counts whose partition-id dtypes the warm-up covers: up to 256
+#: partitions ids are ``uint8``, up to 65,536 ``uint16`` (``_pick_dtype``).
+PARTITION_COUNTS = (60, 300)
+
+
+def warm_up() -> float:
+    """Load (or compile) the insert's kernels for the common column types, once per process.
+
+    Splits a 64-row pandas frame of ``int64``, ``int32``, ``float64``,
+    ``bool``, ``str``, nullable ``Int64`` (with a missing value) and
+    ``datetime64[ns]`` columns by an ``int64``, a ``float64``, a ``str`` key
+    and two keys together, and by given ``int64`` partition ids (a sort's),
+    into 60 and 300 partitions; the pieces are dropped. Thread-safe; later calls return at once.
+
+    Returns
+    -------
+    float
+        Seconds the warm-up took in this process (the first call's figure on
+        later calls).
+    """
+    with _LOCK:
+        if _DONE:
+            return _DONE[0]
+        t0 = time.perf_counter()
+        import numpy as np
+        import pandas as pd
+
+        from mpshuffle.table.pandas import PandasAdapter
+
+        n = 64
+        rows = np.arange(n)
+        frame = pd.DataFrame({
+            "i64": rows.astype(np.int64),
+            "i32": rows.astype(np.int32),
+            "f64": rows.astype(np.float64) / 3,
+            "b": rows % 2 == 0,
+            "s": pd.Series([f"v{i}" for i in rows], dtype="str"),
+            "n": pd.array([None if i == 0 else i for i in rows], dtype="Int64"),
+            "t": pd.to_datetime(rows, unit="s"),
+        })
+        adapter = PandasAdapter()
+        for npartitions in PARTITION_COUNTS:
+            for on in (["i64"], ["f64"], ["s"], ["i64", "f64"]):
+                adapter.split_for(frame, on, npartitions, None, rank=0, nranks=2)
+            # Given ids (a sort's range partitioner) skip the hash.
+            adapter.split_for(frame, ["i64"], npartitions, rows % npartitions, rank=0, nranks=2)
+        _DONE.append(time.perf_counter() - t0)
+        logger.debug("mpshuffle: kernels warmed up in %.2f s", _DONE[0])
+        return _DONE[0]
+
+
+def warmed_up() -> float | None:
+    """Seconds :func:`warm_up` took in this process, or ``None`` if it has not finished here."""
+    return _DONE[0] if _DONE else None

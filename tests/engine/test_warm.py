@@ -1,0 +1,62 @@
+"""warm_up loads the kernel signatures that inserts of the common column types use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+# In a fresh interpreter: in the test process other tests have loaded
+# signatures already, so a signature warm_up misses would go unnoticed.
+_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import pandas as pd
+
+    from mpshuffle.memory.pool import HostPool
+    from mpshuffle.table import PandasAdapter
+    from mpshuffle.table._kernels import kernels
+    from mpshuffle.table.warm import warm_up, warmed_up
+
+    assert warmed_up() is None
+    seconds = warm_up()
+    assert seconds > 0 and warmed_up() == seconds
+    assert warm_up() == seconds  # once per process
+
+    def loaded():
+        k = kernels()
+        return {name: len(getattr(k, name).signatures) for name in vars(k)}
+
+    before = loaded()
+    rng = np.random.default_rng(0)
+    n = 5000
+    frame = pd.DataFrame({
+        "key": rng.integers(0, 10**9, n),
+        "x": rng.random(n),
+        "i": rng.integers(0, 100, n).astype(np.int32),
+        "flag": rng.random(n) < 0.5,
+        "s": pd.Series([f"w{v:010d}" for v in rng.integers(0, 1000, n)], dtype="str"),
+        "n": pd.array([None if v % 7 == 0 else int(v) for v in range(n)], dtype="Int64"),
+        "t": pd.to_datetime(rng.integers(0, 10**9, n), unit="s"),
+    })
+    adapter = PandasAdapter()
+    for npartitions in (2, 60, 256, 257, 1000):
+        for on in (["key"], ["x"], ["s"], ["key", "s"]):
+            for pool in (None, HostPool(2**26)):
+                pieces = adapter.split_for(frame, on, npartitions, None, rank=1, nranks=3, pool=pool)
+                assert sum(p.nrows for p in pieces.values()) == n
+        ids = rng.integers(0, npartitions, n)
+        pieces = adapter.split_for(frame, ["key"], npartitions, ids, rank=0, nranks=2)
+        assert {p: q.nrows for p, q in pieces.items()} == dict(zip(*np.unique(ids, return_counts=True)))
+    after = loaded()
+    assert after == before, (before, after)
+    assert sum(after.values()) >= 10, after
+    print("ok", after)
+    """
+)
+
+
+def test_warm_up_loads_every_signature_of_common_inserts() -> None:
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], check=False, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")
