@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 NWORKERS = 3
 TIMEOUT = 5.0  # mpshuffle's timeout in these clusters, seconds
 HERE = Path(__file__).resolve().parent
@@ -350,6 +348,8 @@ def made_hosts(**kwargs: Any) -> Iterator[Hosts]:
     ``kwargs`` go to :class:`Hosts` (``tls``, ``nworkers``, ``timeout``,
     ``memory_limit``). Everything is removed when the generator closes.
     """
+    import pytest  # here, not at the top: benchmarks import this module where pytest may be absent
+
     reason = can_make_namespaces()
     if reason:
         pytest.skip(reason)
