@@ -41,7 +41,7 @@ _SCRIPT = textwrap.dedent(
     })
     adapter = PandasAdapter()
     for npartitions in (2, 60, 256, 257, 1000):
-        for on in (["key"], ["x"], ["s"], ["key", "s"]):
+        for on in (["key"], ["x"], ["s"], ["t"], ["key", "s"], ["x", "t"]):
             for pool in (None, HostPool(2**26)):
                 pieces = adapter.split_for(frame, on, npartitions, None, rank=1, nranks=3, pool=pool)
                 assert sum(p.nrows for p in pieces.values()) == n
@@ -58,5 +58,34 @@ _SCRIPT = textwrap.dedent(
 
 def test_warm_up_loads_every_signature_of_common_inserts() -> None:
     out = subprocess.run([sys.executable, "-c", _SCRIPT], check=False, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")
+
+
+_AFTER_AN_INSERT = textwrap.dedent(
+    """
+    import pandas as pd
+
+    from mpshuffle.table import PandasAdapter
+    from mpshuffle.table._kernels import kernels
+    from mpshuffle.table.warm import warm_up, warmed_up
+
+    frame = pd.DataFrame({"k": range(100), "x": [0.5] * 100})
+    pieces = PandasAdapter().split_for(frame, ["k"], 4, None, rank=0, nranks=2)
+    assert sum(p.nrows for p in pieces.values()) == 100
+    k = kernels()
+    before = {name: len(getattr(k, name).signatures) for name in vars(k)}
+    assert warm_up() == warmed_up() > 0
+    after = {name: len(getattr(k, name).signatures) for name in vars(k)}
+    assert after == before, (before, after)
+    print("ok")
+    """
+)
+
+
+def test_warm_up_stops_once_a_real_insert_ran() -> None:
+    # That insert loaded what it needed; more would only take its CPU.
+    out = subprocess.run([sys.executable, "-c", _AFTER_AN_INSERT], check=False, capture_output=True, text=True,
+                         timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")

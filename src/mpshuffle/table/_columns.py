@@ -74,9 +74,15 @@ _NS_PER_UNIT = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
 _NS_PER_DAY = 86_400 * 1_000_000_000
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _COMPILE_LOCK = threading.Lock()
+#: Set on the thread of :func:`mpshuffle.table.warm.warm_up` while it runs.
+WARMING = threading.local()
+#: Set once an insert other than the warm-up's asked for the kernels in this process.
+INSERTING = threading.Event()
 
 
 def _kernels() -> Any:
+    if not getattr(WARMING, "on", False):
+        INSERTING.set()
     # Two task threads may ask first at once; compile (or load) once.
     with _COMPILE_LOCK:
         return kernels()

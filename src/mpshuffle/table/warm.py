@@ -9,10 +9,11 @@ development machine the first insert of a fresh worker spent 1.0-1.4 s
 :func:`warm_up` does that work on a tiny frame of the common column types,
 through the same code path as a real insert, so the signatures it loads are
 the ones a real insert of such columns asks for. The Dask worker plugin runs
-it on a thread when it is set up on a worker (option ``warm_up``), so the
-cost moves out of the first shuffle's inserts; numba releases the GIL often
-enough on the way (longest hold measured: 0.2 s) that the worker's event loop
-and heartbeats keep going.
+it on a thread as the worker joins a generation (option ``preload_kernels``),
+so the cost moves out of the first shuffle's inserts; numba releases the GIL
+often enough on the way (longest hold measured: 0.2 s loading, 1.2 s
+compiling) that the worker's event loop and heartbeats keep going. A real
+insert that starts meanwhile stops it (see :func:`warm_up`).
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ PARTITION_COUNTS = (60, 300)
 def warm_up() -> float:
     """Load (or compile) the insert's kernels for the common column types, once per process.
 
-    Splits a 64-row pandas frame of ``int64``, ``int32``, ``float64``,
+    Splits 64-row pandas frames of ``int64``, ``int32``, ``float64``,
     ``bool``, ``str``, nullable ``Int64`` (with a missing value) and
-    ``datetime64[ns]`` columns by an ``int64``, a ``float64``, a ``str`` key
-    and two keys together, and by given ``int64`` partition ids (a sort's),
-    into 60 and 300 partitions; the pieces are dropped. Thread-safe; later calls return at once.
+    ``datetime64[ns]`` columns by an ``int64``, ``float64``, ``str`` or
+    ``datetime64`` key, and by given ``int64`` partition ids (a sort's), into
+    60 and 300 partitions; the pieces are dropped. It stops early once
+    an insert of this process asked for the kernels (that insert loads what
+    it needs; on a worker that starts shuffling at once, loading the rest
+    would only take CPU from it). Thread-safe; later calls return at once.
 
     Returns
     -------
@@ -55,6 +59,7 @@ def warm_up() -> float:
         import numpy as np
         import pandas as pd
 
+        from mpshuffle.table import _columns
         from mpshuffle.table.pandas import PandasAdapter
 
         n = 64
@@ -69,11 +74,32 @@ def warm_up() -> float:
             "t": pd.to_datetime(rows, unit="s"),
         })
         adapter = PandasAdapter()
-        for npartitions in PARTITION_COUNTS:
-            for on in (["i64"], ["f64"], ["s"], ["i64", "f64"]):
-                adapter.split_for(frame, on, npartitions, None, rank=0, nranks=2)
-            # Given ids (a sort's range partitioner) skip the hash.
-            adapter.split_for(frame, ["i64"], npartitions, rows % npartitions, rank=0, nranks=2)
+        # Small steps, most common first, each loading one or two signatures
+        # (columns, key, given ids): an insert that starts meanwhile waits
+        # for one step at most.
+        steps: list[tuple[list[str], list[str], bool]] = [
+            (["i64", "f64"], ["i64"], False),
+            (["i64", "s"], ["i64"], False),
+            (["f64"], ["f64"], False),
+            (["s"], ["s"], False),
+            (["i64", "i32"], ["i64"], False),
+            (["i64", "b"], ["i64"], False),
+            (["i64", "n"], ["i64"], False),
+            (["t"], ["t"], False),
+            (["i64"], ["i64"], True),  # given ids (a sort's range partitioner)
+        ]
+        _columns.WARMING.on = True
+        try:
+            for npartitions in PARTITION_COUNTS:
+                for names, on, given in steps:
+                    if _columns.INSERTING.is_set():
+                        # A real insert runs: it loads what it needs itself,
+                        # and loading more here would only take its CPU.
+                        break
+                    ids = rows % npartitions if given else None
+                    adapter.split_for(frame[names], on, npartitions, ids, rank=0, nranks=2)
+        finally:
+            _columns.WARMING.on = False
         _DONE.append(time.perf_counter() - t0)
         logger.debug("mpshuffle: kernels warmed up in %.2f s", _DONE[0])
         return _DONE[0]
