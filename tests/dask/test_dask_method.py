@@ -258,9 +258,9 @@ def test_other_methods_unchanged_and_reversible() -> None:
 
 def test_unsupported_dask_version_names_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
     method.check_dask_version("2026.8.0")
-    method.check_dask_version("2025.1.0")
-    for bad in ("2024.12.1", "2026.9.0", "2027.1.0"):
-        with pytest.raises(method.UnsupportedDaskError, match="2025.1.0.*2026.9.0"):
+    method.check_dask_version("2025.4.0")
+    for bad in ("2025.3.1", "2024.12.1", "2026.9.0", "2027.1.0"):
+        with pytest.raises(method.UnsupportedDaskError, match="2025.4.0.*2026.9.0"):
             method.check_dask_version(bad)
     monkeypatch.setattr(dask, "__version__", "2027.1.0")
     df = dd.from_pandas(pd.DataFrame({"k": [1, 2, 3]}), npartitions=2)
