@@ -7,9 +7,11 @@ of ``tests/netns.py``; needs root, ``ip`` and ``tc``), mpshuffle with
 For every rate of ``--rates`` (``none``: the veth's own speed; a number:
 Gbit/s on both directions of every host's link, a ``tbf`` qdisc on each
 end, :meth:`netns.Hosts.limit_rate`) both methods shuffle the **same**
-persisted input ``--reps`` times each, alternating (mpshuffle, P2P, then
-P2P, mpshuffle, ...), each with ``ignore_index=True`` into as many
-partitions as the input has.
+persisted input ``--reps`` times each, each with ``ignore_index=True`` into
+as many partitions as the input has. Each repetition goes through every
+rate in turn and, at each, runs both methods, alternating their order
+(mpshuffle then P2P, P2P then mpshuffle, ...); each method first shuffles a
+small frame and then the full input once, untimed.
 
 Per shuffle it records: ``seconds`` from submitting it until its output is
 persisted; ``gb_per_s``, the input's in-memory size
@@ -97,13 +99,6 @@ def _shuffle(method: str, df: Any, npartitions: int) -> Any:
 
         return shuffle(df, "key", npartitions=npartitions, ignore_index=True)
     return df.shuffle("key", npartitions=npartitions, ignore_index=True, shuffle_method="p2p")
-
-
-def _order(reps: int) -> list[str]:
-    order: list[str] = []
-    for i in range(reps):
-        order.extend(METHODS if i % 2 == 0 else reversed(METHODS))
-    return order
 
 
 def one_shuffle(client: Any, hosts: Any, method: str, df: Any, rows: int, nbytes: int,
@@ -219,18 +214,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results.update(input_bytes=nbytes, rows=nrows, partitions=partitions)
             print(f"{args.workers} workers, {nrows:,} rows, {nbytes / 1e9:.2f} GB in memory, "
                   f"{partitions} -> {partitions} partitions; load average {os.getloadavg()[0]:.1f}", flush=True)
-            for bits_per_s in args.rates:
-                hosts.unlimit()
-                if bits_per_s:
-                    hosts.limit_rate(bits_per_s)
-                runs = []
-                for method in _order(args.reps):
-                    r = one_shuffle(client, hosts, method, df, nrows, nbytes, partitions, pids, bits_per_s)
-                    print(f"  {_label(bits_per_s):>9} {method:<9} {r['seconds']:7.2f} s "
-                          f"{r['gb_per_s']:6.3f} GB/s", flush=True)
-                    runs.append(r)
-                hosts.unlimit()
-                results["rates"].append({"bits_per_s": bits_per_s, "runs": runs, "summary": summarize(runs)})
+            for m in METHODS:
+                # A full-size shuffle first, untimed: a fresh worker's first one
+                # also grows its memory pools and touches fresh pages (1.5-2x the
+                # time of the next), which would fall on whichever rate came first.
+                one_shuffle(client, hosts, m, df, nrows, nbytes, partitions, pids, None)
+            runs: dict[int, list[dict[str, Any]]] = {k: [] for k in range(len(args.rates))}
+            # Rates cycle within each repetition, so that other load on the
+            # machine falls on every rate alike; the methods alternate.
+            for rep in range(args.reps):
+                for k, bits_per_s in enumerate(args.rates):
+                    hosts.unlimit()
+                    if bits_per_s:
+                        hosts.limit_rate(bits_per_s)
+                    for method in METHODS if rep % 2 == 0 else reversed(METHODS):
+                        r = one_shuffle(client, hosts, method, df, nrows, nbytes, partitions, pids, bits_per_s)
+                        r["rep"] = rep
+                        print(f"  rep {rep} {_label(bits_per_s):>11} {method:<9} {r['seconds']:7.2f} s "
+                              f"{r['gb_per_s']:6.3f} GB/s  load {r['load_average_1min']:.1f}", flush=True)
+                        runs[k].append(r)
+                    hosts.unlimit()
+                results["rates"] = [
+                    {"bits_per_s": b, "runs": runs[k], "summary": summarize(runs[k])}
+                    for k, b in enumerate(args.rates)
+                ]
                 _write(results, args.json)
     finally:
         hosts.unlimit()
