@@ -5,7 +5,10 @@ all of 127.0.0.0/8 to the loopback interface, no root needed), so every rank
 listens on, and is reached at, an address of its own, as on separate hosts.
 Ranks on one machine would exchange large messages through /dev/shm; here
 that is turned off (``shared_memory=False``), as between hosts. The workers run in this process so
-that a test can cut one link (abort one rank's socket) at a chosen message.
+that a test can cut one link (abort one rank's socket) at a chosen message:
+mid-insert, and where only one side of the link sees it break while the
+other waits for that side (the break is reported to the scheduler, so the
+answer comes well before ``timeout``).
 
 Separate network stacks proper (one network namespace per worker, veth
 pairs, ``ip link set ... down``) need root and ``ip netns``; not here.
@@ -131,5 +134,80 @@ async def _cut_link(client: Client) -> None:
     # The generation whose link broke is retired; the next shuffle is exact.
     out = await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5))
     _exact(out, pdf)
+    after = await bootstrap_dask_cluster(client, timeout=timeout, shared_memory=False)
+    assert after.id != gen.id
+
+
+def _break_link_from(peer: int, dask_worker: Any = None) -> None:
+    """Fault injection: this rank gives up its link from rank ``peer`` while a run is active on it, unnoticed by ``peer``.
+
+    Holds the run's ``inputs-done`` back until ``peer``'s ``finish`` has
+    arrived, then aborts the connection that came on (a reset, as a cable
+    pulled would, seen by this rank) and only then delivers ``inputs-done``.
+    So the run is active on this rank when the link breaks (its inputs are
+    not done: it still owes its finish counts to every rank), and ``peer``
+    has written all it will write to this rank (its finish) before the
+    reset: ``peer`` notices nothing by itself (its next connection to this
+    rank, if any, is opened anew), and without a report it waits for this
+    rank's finish counts until ``timeout``.
+    """
+    ctx = get_worker_context(dask_worker)
+    deliver = ctx._on_message
+    held: list[tuple[int, Any, Any]] = []
+    dask_worker.mpshuffle_cut = False
+
+    def handler(src: int, tag: Any, frames: Any) -> None:
+        if dask_worker.mpshuffle_cut:
+            deliver(src, tag, frames)
+        elif tag[2] == "inputs-done":
+            held.append((src, tag, frames))
+        elif tag[2] == "finish" and src == peer:
+            dask_worker.mpshuffle_cut = True
+            ctx.comm._inbound[peer].abort()
+            deliver(src, tag, frames)
+            for message in held:
+                deliver(*message)
+        else:
+            deliver(src, tag, frames)
+
+    ctx.comm.register_handler("mps", handler)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_sees_its_link_break_fails_the_shuffle_on_every_rank_well_before_timeout() -> None:
+    _on_hosts(_link_seen_by_one_rank)
+
+
+async def _link_seen_by_one_rank(client: Client) -> None:
+    timeout = 60.0  # large, so that an answer in under half of it cannot be the timeout's
+    gen = await bootstrap_dask_cluster(client, timeout=timeout, shared_memory=False)
+    by_rank = {r: w for w, r in gen.ranks.items()}
+    pdf = _frame(6000)
+    _exact(await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=2)), pdf)
+    # Two output partitions on three ranks: rank 2 owns none, so no task of
+    # the run is left on it once its inserts are done, and nothing there
+    # asks the scheduler about the lost peer.
+    await client.run(_break_link_from, 0, workers=[by_rank[2]])
+    t0 = time.monotonic()
+    with pytest.raises(ShuffleError) as info:
+        await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=2))
+    waited = time.monotonic() - t0
+    message = str(info.value)
+    assert (await client.run(lambda dask_worker: dask_worker.mpshuffle_cut, workers=[by_rank[2]]))[by_rank[2]]
+    # The phase, and the rank beyond the broken link with its worker: rank 0
+    # as rank 2 saw it, or rank 2 if rank 0 wrote to the reset connection
+    # first (its acknowledgement, when the barrier task runs on rank 2).
+    assert message.split(" phase", 1)[0] in ("insert", "barrier", "extract"), message
+    assert (
+        f"can no longer reach rank 0 (worker {by_rank[0]})" in message
+        or f"can no longer reach rank 2 (worker {by_rank[2]})" in message
+    ), message
+    assert waited < timeout / 2, (waited, message)
+    print(f"link 0 -> 2 broken, seen by rank 2 only: error after {waited:.1f} s (timeout {timeout:g} s): {message}")
+    del info  # holds the erred keys
+    # The generation is retired; the next shuffle (another graph: the erred
+    # one's keys may still be held) bootstraps a new one, with new
+    # connections, and is exact.
+    _exact(await client.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=3)), pdf)
     after = await bootstrap_dask_cluster(client, timeout=timeout, shared_memory=False)
     assert after.id != gen.id

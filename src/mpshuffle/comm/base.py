@@ -69,8 +69,11 @@ class Communicator(abc.ABC):
         self._mailbox = collections.defaultdict(collections.deque)
         self._waiters = collections.defaultdict(list)
         self._lost = {}
+        # Peers that said goodbye (closed their communicator on purpose).
+        self._departed: set[int] = set()
         self._lock = threading.Lock()
         self._lost_callbacks: list[Callable[[int, str], None]] = []
+        self._unsent_callbacks: list[Callable[[int, Tag], None]] = []
         # Work handed to the progress thread: coroutines not started yet (with
         # the future their caller holds) and tasks running. Closing fails or
         # cancels every one of them, so that no caller waits forever on a
@@ -134,6 +137,14 @@ class Communicator(abc.ABC):
         """Call ``callback(rank, reason)`` on the progress thread when a peer is lost."""
         self._lost_callbacks.append(callback)
 
+    def on_unsent(self, callback: Callable[[int, Tag], None]) -> None:
+        """Call ``callback(dest, tag)`` when a message of :meth:`send_nowait` to ``dest`` could not be sent.
+
+        Called from the thread that completes the send (usually the progress
+        thread), after the failure was logged; it must not block.
+        """
+        self._unsent_callbacks.append(callback)
+
     def _deliver(self, src: int, tag: Tag, frames: Frames) -> None:
         """Hand an arrived message to its handler or the mailbox (on :attr:`loop`)."""
         handler = self._handlers.get(tag[0]) if tag else None
@@ -151,10 +162,13 @@ class Communicator(abc.ABC):
     def _peer_lost(self, rank: int, reason: str, *, quiet: bool = False) -> None:
         """Record that ``rank`` is gone and wake everyone waiting on it (on :attr:`loop`).
 
-        ``quiet`` skips the warning, for a peer that said goodbye.
+        ``quiet`` marks a peer that said goodbye (see :attr:`departed`) and
+        skips the warning.
         """
         if rank in self._lost:
             return
+        if quiet:
+            self._departed.add(rank)
         self._lost[rank] = reason
         if not quiet:
             logger.warning("mpshuffle: rank %d of %d lost: %s", rank, self.nranks, reason)
@@ -173,6 +187,11 @@ class Communicator(abc.ABC):
     def lost(self) -> dict[int, str]:
         """Ranks known to be lost, with the reason."""
         return dict(self._lost)
+
+    @property
+    def departed(self) -> frozenset[int]:
+        """The lost ranks that said goodbye: they closed their communicator on purpose, no link broke."""
+        return frozenset(self._departed)
 
     async def arecv(self, src: int, tag: Tag, timeout: float) -> Frames:
         """Wait for one message from ``src`` with ``tag`` (coroutine).
@@ -254,6 +273,11 @@ class Communicator(abc.ABC):
             logging.DEBUG if quiet else logging.WARNING,
             "mpshuffle: rank %d: message %r to rank %d was not sent: %s", self.rank, tag, dest, err,
         )
+        for cb in self._unsent_callbacks:
+            try:
+                cb(dest, tag)
+            except Exception:
+                logger.exception("mpshuffle: unsent-message callback failed")
 
     async def _send_checked(self, dest: int, tag: Tag, frames: Frames) -> None:
         if not 0 <= dest < self.nranks:

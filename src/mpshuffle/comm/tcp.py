@@ -140,7 +140,6 @@ class TcpCommunicator(Communicator):
     _inbound: dict[int, Any]
     _connect_locks: dict[int, asyncio.Lock]
     _write_locks: dict[int, asyncio.Lock]
-    _departed: set[int]
     _shm: _shm.ShmFiles | None
     _shm_dir: str | None
     _shm_peers: set[int]
@@ -167,7 +166,6 @@ class TcpCommunicator(Communicator):
         self._inbound = {}
         self._connect_locks = {}
         self._write_locks = {}
-        self._departed = set()
         self._shm_dir = _shm.default_directory() if shared_memory else None
         self._shm = _shm.ShmFiles(self._shm_dir, f"mpshuffle-{generation}-r{rank}") if self._shm_dir else None
         self._shm_peers = set()

@@ -157,6 +157,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         scheduler.handlers["mpshuffle_get_root"] = self.get_root
         scheduler.handlers["mpshuffle_get_run"] = self.get_run
         scheduler.handlers["mpshuffle_run_lost"] = self.run_lost
+        scheduler.handlers["mpshuffle_link_lost"] = self.link_lost
         scheduler.handlers["mpshuffle_restart_run"] = self.restart_run
 
     async def close(self) -> None:
@@ -166,7 +167,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         if self.scheduler is not None:
             for name in (
                 "mpshuffle_publish_root", "mpshuffle_get_root", "mpshuffle_get_run",
-                "mpshuffle_restart_run", "mpshuffle_run_lost",
+                "mpshuffle_restart_run", "mpshuffle_run_lost", "mpshuffle_link_lost",
             ):
                 self.scheduler.handlers.pop(name, None)
 
@@ -348,7 +349,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
     def _describe(run: _Run) -> dict[str, Any]:
         return RunBinding(run.op_id, run.generation.id, run.generation.workers).to_msg()
 
-    async def run_lost(self, op_id: int, timeout: float) -> dict[str, Any]:
+    async def run_lost(
+        self, op_id: int, timeout: float, rank: int = -1, lost: list[Any] | None = None
+    ) -> dict[str, Any]:
         """Handler: a task of run ``op_id`` saw a peer go; wait for the scheduler's verdict.
 
         Returns a :class:`Verdict` message: ``restart`` once the run was
@@ -356,7 +359,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         workers still ``alive``, if the run was not restarted within ``timeout`` seconds (the lost ranks'
         workers are still in the cluster, so only their communicators broke).
         Then the run fails on every rank and its generation is retired, so
-        that the next shuffle bootstraps a new one.
+        that the next shuffle bootstraps a new one. ``rank`` is the asking
+        rank and ``lost`` the ``[peer, reason]`` pairs its communicator
+        lost, which the error names.
         """
         run = self._by_op.get(op_id)
         if run is None:
@@ -370,13 +375,51 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             if self.generation is gen:
                 self.generation = None
             if run.error is None:
-                run.error = f"shuffle op {run.op_id}: a rank of generation {gen.id} lost its communicator"
+                if lost and 0 <= rank < len(gen.workers):
+                    run.error = f"shuffle op {run.op_id}: " + _link_error(gen, rank, int(lost[0][0]), str(lost[0][1]))
+                else:
+                    run.error = f"shuffle op {run.op_id}: a rank of generation {gen.id} lost its communicator"
                 # No restart will come: later questions get the verdict at once.
                 run.ended.set()
                 self._broadcast(
                     gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
                 )
         return Verdict(run.restarted, tuple(alive)).to_msg()
+
+    async def link_lost(self, generation: str, rank: int, peer: int, reason: str, op_ids: list[int]) -> None:
+        """Handler: rank ``rank`` of ``generation`` gave up its link to rank ``peer`` (a connection broke).
+
+        The reporting rank has failed the runs ``op_ids`` that were active on
+        it (it can no longer exchange with ``peer``); the other ranks may be
+        waiting for it and would hear only after ``timeout``. The generation
+        is retired at once (the next shuffle bootstraps a new one, whose
+        connections are new). Each of those runs is failed on every rank with
+        an error naming both ranks and their workers, once every worker of
+        the generation has heartbeated since the report (so both workers
+        stay and only the link broke); if instead a worker left, its
+        departure restarts the run as before, and nothing more is done.
+        """
+        gen = self.generations.get(generation)
+        if gen is None or not (0 <= rank < len(gen.workers) and 0 <= peer < len(gen.workers)):
+            return  # closed already, or not a report of ours
+        error = _link_error(gen, rank, peer, reason)
+        logger.warning("mpshuffle: %s", error)
+        gen.stale = True
+        if self.generation is gen:
+            self.generation = None
+        runs = [r for op in op_ids if (r := self._by_op.get(op)) is not None and r.generation is gen]
+        await asyncio.gather(*(self._fail_for_link(run, error) for run in runs))
+        self._maybe_close(gen)
+
+    async def _fail_for_link(self, run: _Run, error: str) -> None:
+        await self._await_verdict(run, run.generation.options.timeout)
+        if run.restarted or run.error is not None or self.runs.get(run.token) is not run:
+            return  # restarted, failed already, or ended
+        run.error = f"shuffle op {run.op_id}: {error}"
+        run.ended.set()  # no restart will come: tasks asking for a verdict get it now
+        self._broadcast(
+            run.generation, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": run.error}
+        )
 
     async def _await_verdict(self, run: _Run, timeout: float) -> None:
         """Wait until ``run`` was restarted or ended, or no restart can come, at most ``timeout`` s.
@@ -542,6 +585,14 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             if self.generation is gen:
                 self.generation = None
             self._maybe_close(gen)
+
+
+def _link_error(gen: _Generation, rank: int, peer: int, reason: str) -> str:
+    """How errors name a broken link: the rank that saw it, the rank it can no longer reach, their workers."""
+    return (
+        f"rank {rank} (worker {gen.workers[rank]}) of generation {gen.id} can no longer reach "
+        f"rank {peer} (worker {gen.workers[peer]}): {reason}"
+    )
 
 
 def _pins(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -165,7 +166,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             # stay on a shared or custom disk: the next bootstrap on that
             # directory removes those whose owner's lock is gone.
             await asyncio.to_thread(remove_orphans, options.spill_dir or self.worker.local_directory)
-            self.contexts[generation] = WorkerContext(
+            ctx = WorkerContext(
                 comm,
                 generation,
                 options,
@@ -173,6 +174,8 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 local_directory=self.worker.local_directory,
                 workers=workers,
             )
+            ctx.on_link_lost = functools.partial(self._link_lost, ctx)
+            self.contexts[generation] = ctx
             self.current = generation
             if options.preload_kernels:
                 self._preload()
@@ -219,6 +222,35 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             if op_id in ctx.shufflers:
                 return ctx
         return self.contexts.get(run.generation) if run is not None else self.context
+
+    def _link_lost(self, ctx: WorkerContext, peer: int, reason: str, op_ids: list[int]) -> None:
+        """Tell the scheduler plugin that ``ctx``'s rank gave up rank ``peer`` (its :attr:`~WorkerContext.on_link_lost`).
+
+        The communicator gives a peer up when a connection to it breaks
+        (reset, closed without a goodbye, a send that fails): data still in
+        the stream may be gone, and finish counting could not tell, so it
+        does not reconnect within the generation (a flap that TCP rides over
+        breaks no connection, and a connection that cannot be opened yet is
+        retried by ``distributed.comm.connect`` until its timeout). The runs
+        ``op_ids`` can no longer complete on this rank; other ranks may be
+        waiting for them and would hear only after ``timeout``. The scheduler
+        plugin fails them on every rank at once, naming the link, and retires
+        the generation (:meth:`ShuffleSchedulerPlugin.link_lost`). Called on
+        the progress thread (or a task's): the report goes from the worker's
+        event loop.
+        """
+        if self.worker is None or self.contexts.get(ctx.generation) is not ctx:
+            return  # the generation is closing
+        self.worker.loop.add_callback(self._report_link_lost, ctx.generation, ctx.rank, peer, reason, op_ids)
+
+    async def _report_link_lost(self, generation: str, rank: int, peer: int, reason: str, op_ids: list[int]) -> None:
+        assert self.worker is not None
+        try:
+            await self.worker.scheduler.mpshuffle_link_lost(
+                generation=generation, rank=rank, peer=peer, reason=reason, op_ids=op_ids
+            )
+        except Exception:  # the scheduler is gone or unreachable: its own watch takes over
+            logger.debug("mpshuffle: could not report the lost link to rank %d", peer, exc_info=True)
 
     # -- from task threads -------------------------------------------------
     def get_run(
@@ -310,7 +342,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 yield
         except MPShuffleError as e:
             if ctx.comm.lost or run.op_id in self._failed:
-                verdict = self._verdict(run, ctx.options.timeout)
+                verdict = self._verdict(run, ctx.options.timeout, ctx)
                 if verdict.restart:
                     if name == "insert":
                         # The restart released this task; Dask may still take
@@ -354,14 +386,18 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             raise Reschedule()
         raise ShuffleError(f"shuffle op {run.op_id}: {reason}, and it could not be restarted")
 
-    def _verdict(self, run: RunInfo, timeout: float) -> Verdict:
+    def _verdict(self, run: RunInfo, timeout: float, ctx: WorkerContext | None = None) -> Verdict:
         assert self.worker is not None
+        # The peers this rank lost, and why: the scheduler names them in the run's error.
+        lost = [] if ctx is None else [[peer, why] for peer, why in sorted(ctx.comm.lost.items())]
         try:
             return Verdict.from_msg(sync(
                 self.worker.loop,
                 self.worker.scheduler.mpshuffle_run_lost,
                 op_id=run.op_id,
                 timeout=timeout,
+                rank=-1 if ctx is None else ctx.rank,
+                lost=lost,
                 callback_timeout=timeout + _VERDICT_GRACE,
             ))
         except Exception:

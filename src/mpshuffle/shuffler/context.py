@@ -17,6 +17,8 @@ from mpshuffle.shuffler.host import TAG, Shuffler
 from mpshuffle.shuffler.run import Run
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mpshuffle.comm import Communicator, Frames, Tag
     from mpshuffle.options import Options
 
@@ -59,6 +61,17 @@ class WorkerContext:
         Running shuffles on this rank, by ``op_id``.
     history
         Statistics of the last finished runs, as ``(op_id, statistics)``.
+    on_link_lost
+        ``None``, or called as ``on_link_lost(peer, reason, op_ids)`` (on the
+        progress thread, or a task's; must not block) when this rank's
+        communicator gave up rank ``peer`` because a connection broke (not
+        by a goodbye), with the runs that can no longer exchange with it:
+        those active on this rank at the loss (failed here at once), then
+        each run made afterwards (failed at once too) and each run whose
+        message to ``peer`` could not be sent (its last finish counts or
+        barrier acknowledgement, after it ended here). The other ranks may
+        be waiting for those runs; the owner tells them (the Dask worker
+        plugin tells the scheduler, which fails the runs everywhere).
     device
         This rank's GPU (:class:`~mpshuffle.shuffler.device.DeviceState`: device
         id, ``spill_device`` budget, ``pool_size`` pool), or ``None`` where
@@ -113,9 +126,12 @@ class WorkerContext:
         self._failed: dict[int, BaseException] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self.on_link_lost: Callable[[int, str, list[int]], None] | None = None
+        self._told: dict[int, set[int]] = {}
         comm.register_handler(TAG, self._on_message)
         comm.register_handler(DEVICE_TAG, self._on_message)
         comm.on_peer_lost(self._on_peer_lost)
+        comm.on_unsent(self._on_unsent)
 
     def shuffler(self, op_id: int, *, device: bool = False) -> Run:
         """The run ``op_id`` on this rank, created on first use.
@@ -155,7 +171,37 @@ class WorkerContext:
                 )
             self.shufflers[op_id] = s
             self.pool.retain = True
+            broken = self._broken()
+            if broken:
+                # A run made after this rank lost a peer can never exchange with
+                # it: it fails at once, as the runs active at the loss did.
+                peer, reason = min(broken.items())
+                s.fail(self._unreachable(peer, reason))
+                self._tell_link_lost(peer, reason, [op_id])
             return s
+
+    def _broken(self) -> dict[int, str]:
+        """Peers lost because a connection broke (not by a goodbye), with the reason."""
+        departed = self.comm.departed
+        return {r: why for r, why in self.comm.lost.items() if r not in departed}
+
+    def _unreachable(self, peer: int, reason: str) -> ShuffleError:
+        return ShuffleError(f"rank {self.rank} can no longer reach {self.comm.describe(peer)}: {reason}")
+
+    def _tell_link_lost(self, peer: int, reason: str, op_ids: list[int]) -> None:
+        # Once per peer and run: a run may have several messages to the peer
+        # that cannot leave. The first report about a peer goes even without
+        # runs (the owner retires the generation).
+        with self._lock:
+            first = peer not in self._told
+            told = self._told.setdefault(peer, set())
+            op_ids = [op for op in op_ids if op not in told]
+            told.update(op_ids)
+        if self.on_link_lost is not None and (first or op_ids):
+            try:
+                self.on_link_lost(peer, reason, op_ids)
+            except Exception:
+                logger.exception("mpshuffle: reporting the lost link to rank %d failed", peer)
 
     def has_ended(self, op_id: int) -> bool:
         """Whether run ``op_id`` finished, was released or failed on this rank."""
@@ -188,11 +234,22 @@ class WorkerContext:
         s.receive(src, tag, frames)
 
     def _on_peer_lost(self, rank: int, reason: str) -> None:
-        err = ShuffleError(f"{self.comm.describe(rank)} was lost: {reason}")
+        err = self._unreachable(rank, reason)
         with self._lock:
-            shufflers = list(self.shufflers.values())
-        for s in shufflers:
+            shufflers = dict(self.shufflers)
+        for s in shufflers.values():
             s.fail(err)
+        if rank not in self.comm.departed:
+            self._tell_link_lost(rank, reason, sorted(shufflers))
+
+    def _on_unsent(self, dest: int, tag: Tag) -> None:
+        # A run's message (its finish counts, an acknowledgement) that a
+        # broken link kept from its peer: the peer would wait for it.
+        if len(tag) < 2 or tag[0] not in (TAG, DEVICE_TAG):
+            return
+        reason = self._broken().get(dest)
+        if reason is not None:
+            self._tell_link_lost(dest, reason, [int(tag[1])])
 
     def fail_run(self, op_id: int, reason: str) -> None:
         """Fail run ``op_id`` on this rank and free its buffers; later messages are dropped."""
