@@ -108,6 +108,8 @@ class _Run:
     error: str | None = None
     restarted: bool = False
     ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # Since when (scheduler clock) the scheduler has not held the run's barrier task, or None.
+    orphaned_since: float | None = None
 
 
 class ShuffleSchedulerPlugin(SchedulerPlugin):
@@ -281,6 +283,41 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             return
         del self.generations[gen.id]
         self._broadcast(gen, {"op": "mpshuffle_close_generation", "generation": gen.id})
+
+    def end_orphans(self, now: float) -> list[int]:
+        """End the runs whose graph the scheduler has not held for longer than their ``timeout``; returns their ids.
+
+        A run is made by the first task of its graph that asks. A task that
+        still started after its client released the graph (Dask cannot stop a
+        task already handed to a worker; e.g. an insert queued on a worker
+        when the computation failed) makes a run whose barrier task the
+        scheduler no longer holds, so no transition of it will ever end the
+        run: its pieces would stay on every rank. Such a run is kept for a
+        ``timeout`` (the graph may be submitted again, as after a cancelled
+        computation, and then adopts it: see :meth:`update_graph`), then
+        ended on every rank. Called by the :class:`RankWatch` twice a second.
+
+        Parameters
+        ----------
+        now
+            The scheduler's clock (``distributed.metrics.time``).
+        """
+        assert self.scheduler is not None
+        ended = []
+        for run in list(self.runs.values()):
+            if run.barrier_key in self.scheduler.tasks:
+                run.orphaned_since = None
+                continue
+            if run.orphaned_since is None:
+                run.orphaned_since = now
+            elif now - run.orphaned_since > run.generation.options.timeout:
+                logger.info(
+                    "mpshuffle: ending shuffle op %d: its graph was released %.1f s ago", run.op_id,
+                    now - run.orphaned_since,
+                )
+                self._end_run(run)
+                ended.append(run.op_id)
+        return ended
 
     async def publish_root(self, generation: str, address: str) -> None:
         """Handler: rank 0 of ``generation`` publishes its address."""

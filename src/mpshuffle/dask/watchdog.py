@@ -25,6 +25,9 @@ for a stopped rank) has stopped answering. Each of its runs then fails:
 
 Dask's own ``worker-ttl`` still decides whether the worker is removed; when it
 comes back its late results are ignored.
+
+The same look ends runs whose graph the scheduler released before they
+ended (:meth:`ShuffleSchedulerPlugin.end_orphans`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,13 @@ class RankWatch:
                 self.check()
             except Exception:  # the watch must outlive any one bad look
                 logger.exception("mpshuffle: checking the ranks of running shuffles failed")
+            try:
+                if self.plugin.scheduler is not None and self.plugin.runs:
+                    from distributed.metrics import time as scheduler_time
+
+                    self.plugin.end_orphans(scheduler_time())
+            except Exception:
+                logger.exception("mpshuffle: ending the runs of released graphs failed")
 
     def check(self, now: float | None = None) -> list[str]:
         """Fail every running shuffle that has a silent rank; returns the errors raised.
