@@ -332,11 +332,15 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
     print(f"link cut at first {kind!r} on rank 1 (up after {up_after} s): {outcome} after {elapsed:.1f} s")
     assert hclient.run(lambda dask_worker: dask_worker.mpshuffle_cut, workers=[victim])[victim]
     # The host is back: the next shuffle is exact, and nothing is left.
-    _heard_again(hosts, hclient, i)
-    out = shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5).compute()
-    pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)
-    _nothing_left(hclient)
-    after = _nothing_leaked(hclient, before)
+    try:
+        _heard_again(hosts, hclient, i)
+        out = shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=5).compute()
+        pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)
+        _nothing_left(hclient)
+        after = _nothing_leaked(hclient, before)
+    except BaseException:
+        print(hosts.logs())
+        raise
     for w in after:
         b, a = before.get(w, {}), after[w]
         print("  " + w + ": " + ", ".join(f"{k} {b.get(k, '-')}->{a[k]}" for k in _COUNTED))
