@@ -270,6 +270,13 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         assert self.worker is not None
         with self._runs_lock:
             run = self.runs.get(token)
+            if run is not None and run.generation not in self.contexts and self.worker.address in run.workers:
+                # A run of a generation this worker no longer holds, whose end
+                # or failure it did not hear (its link was down when the
+                # scheduler said so): a new computation of the same graph asks
+                # the scheduler again instead of failing on the stale run.
+                del self.runs[token]
+                run = None
         if run is None:
             binding = RunBinding.from_msg(sync(
                 self.worker.loop,
