@@ -259,6 +259,18 @@ def _cut_own_link_after_first_extract(inner: str, dask_worker: Any = None) -> No
     Shuffler.extract = extract
 
 
+def _log_lines(hosts: Hosts) -> str:
+    """mpshuffle's lines and the warnings and errors in every process's log, for a failed test's output."""
+    out = []
+    for name in sorted(os.listdir(hosts.tmp)):
+        path = os.path.join(hosts.tmp, name)
+        if name.endswith(".log") and os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                lines = [ln.rstrip() for ln in f if "mpshuffle" in ln or " - WARNING - " in ln or " - ERROR - " in ln]
+            out.append(f"--- {name}\n" + "\n".join(ln for ln in lines if "plugin mpshuffle" not in ln)[-20000:])
+    return "\n".join(out)
+
+
 def _heartbeat_ages(dask_scheduler: Any = None) -> dict[str, float]:
     """Seconds since the scheduler last heard from each worker."""
     from distributed.metrics import time as now
@@ -294,7 +306,12 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
 ) -> None:
     gen = bootstrap_dask_cluster(hclient, timeout=TIMEOUT, shared_memory=False)
     pdf = _frame(30_000, seed=3)
-    pd.testing.assert_frame_equal(_rows(shuffle(dd.from_pandas(pdf, npartitions=6), "k").compute(), ["v"]), pdf)
+    try:
+        out = shuffle(dd.from_pandas(pdf, npartitions=6), "k").compute()
+    except BaseException:
+        print(_log_lines(hosts))
+        raise
+    pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)
     before = hclient.run(_resources)
     by_rank = {r: w for w, r in gen.ranks.items()}
     # Rank 1's host: find its namespace by its address.
@@ -339,7 +356,7 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
         _nothing_left(hclient)
         after = _nothing_leaked(hclient, before)
     except BaseException:
-        print(hosts.logs())
+        print(_log_lines(hosts))
         raise
     for w in after:
         b, a = before.get(w, {}), after[w]
