@@ -22,7 +22,11 @@ root-side ends: what each host sent and received, TCP/IP headers and Dask's
 own messages included); ``link_bound_seconds``, the least time the busiest
 host's link needs for its bytes at the rate; user + system CPU-seconds of
 all worker processes (``psutil``, in this process: the namespaces share
-the PID space) and their peak summed RSS; the ``tbf`` counters.
+the PID space) and their peak summed RSS; the ``tbf`` counters; Dask's own
+transfers of task data between workers during the shuffle (an input fetched
+by another worker, e.g. after work stealing) and the scheduler's steals;
+the number of mpshuffle runs the ranks finished (one per worker, more if
+the shuffle ran again).
 
 Where the network is the bound, ``link_bound_seconds`` is close to
 ``seconds``. With ``W`` workers and uniform keys, (W-1)/W of the input
@@ -93,6 +97,35 @@ def _link_bytes(hosts: Any) -> dict[int, tuple[int, int]]:
     return out
 
 
+def _dask_moves(client: Any, since: float) -> tuple[int, int, int]:
+    """Dask's own task-data transfers between workers that started after ``since`` (``time.time()``).
+
+    Returns (transfers, bytes, tasks the scheduler's work stealing moved so
+    far in all). Neither shuffle's data is among them (both send theirs on
+    connections of their own): these are inputs fetched by a worker that
+    runs a task whose input is elsewhere, as after a steal.
+    """
+
+    # Nested, so that cloudpickle sends them by value: the workers cannot import this script.
+    def moved(dask_worker: Any = None) -> tuple[int, int]:
+        log = [t for t in dask_worker.transfer_incoming_log if t["start"] >= since]
+        return len(log), sum(t["total"] for t in log)
+
+    def steals(dask_scheduler: Any = None) -> int:
+        stealing = dask_scheduler.extensions.get("stealing")
+        return int(getattr(stealing, "count", 0))
+
+    per_worker = client.run(moved).values()
+    return sum(n for n, _ in per_worker), sum(b for _, b in per_worker), client.run_on_scheduler(steals)
+
+
+def _mpshuffle_runs(client: Any) -> set[tuple[str, str, int]]:
+    """(worker, generation, op_id) of every finished mpshuffle run the workers remember."""
+    from mpshuffle.dask import gather_statistics
+
+    return {(w, r["generation"], r["op_id"]) for w, runs in gather_statistics(client).items() for r in runs}
+
+
 def _shuffle(method: str, df: Any, npartitions: int) -> Any:
     if method == "mpshuffle":
         from mpshuffle.dask import shuffle
@@ -110,12 +143,18 @@ def one_shuffle(client: Any, hosts: Any, method: str, df: Any, rows: int, nbytes
 
     links0 = _link_bytes(hosts)
     tc0 = hosts.rate_counters() if bits_per_s else {}
+    steals0 = _dask_moves(client, time.time())[2]
+    runs0 = _mpshuffle_runs(client)
+    since = time.time()
     with RssSampler(pids) as sampler:
         t0 = time.perf_counter()
         out = _shuffle(method, df, npartitions).persist()
         wait(out)
         seconds = time.perf_counter() - t0
     links1 = _link_bytes(hosts)
+    moves, moved_bytes, steals1 = _dask_moves(client, since)
+    # More than one new run per worker: (part of) the shuffle ran again.
+    mpshuffle_runs = len(_mpshuffle_runs(client) - runs0)
     tc1 = hosts.rate_counters() if bits_per_s else {}
     out_rows = int(out.map_partitions(len).compute().sum())
     if out_rows != rows:
@@ -132,6 +171,10 @@ def one_shuffle(client: Any, hosts: Any, method: str, df: Any, rows: int, nbytes
         "link_bytes_received": {str(i): r for i, (_, r) in moved.items()},
         "link_bytes_total": sum(s for i, (s, _) in moved.items() if i > 0),
         "link_bound_seconds": busiest * 8 / bits_per_s if bits_per_s else None,
+        "dask_transfers": moves,
+        "dask_transfer_bytes": moved_bytes,
+        "steals": steals1 - steals0,
+        "mpshuffle_rank_runs": mpshuffle_runs,
         "worker_cpu_seconds": sampler.cpu_seconds,
         "worker_cpu_system_seconds": sampler.cpu_system_seconds,
         "peak_cluster_rss": sampler.peak_total,
@@ -160,6 +203,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "link_busy_median": statistics.median(b / r["seconds"] for b, r in zip(bound, rs, strict=True))
             if bound else None,
             "worker_cpu_seconds_median": statistics.median(r["worker_cpu_seconds"] for r in rs),
+            "dask_transfer_gb_max": max(r["dask_transfer_bytes"] for r in rs) / 1e9,
             "peak_cluster_rss_max": max(r["peak_cluster_rss"] for r in rs),
         }
     mine = [r["seconds"] for r in runs if r["method"] == "mpshuffle"]
@@ -259,7 +303,7 @@ def _write(results: dict[str, Any], path: str | None) -> None:
 def report(results: dict[str, Any]) -> str:
     """The summary as a text table: one row per rate and method."""
     head = (f"{'limit':>11} {'method':<9} {'seconds min/med/max':>20} {'GB/s min/med/max':>19} "
-            f"{'link GB':>7} {'link busy':>9} {'CPU-s':>6} {'peak GB':>7} {'P2P/mps min/med/max':>20}")
+            f"{'link GB':>7} {'link busy':>9} {'CPU-s':>6} {'peak GB':>7} {'moved GB':>8} {'P2P/mps min/med/max':>20}")
     lines = [head]
     for rate in results["rates"]:
         s = rate["summary"]
@@ -270,7 +314,8 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"{_label(rate['bits_per_s']):>11} {m:<9} {'/'.join(f'{v:.2f}' for v in x['seconds']):>20} "
                 f"{'/'.join(f'{v:.3f}' for v in x['gb_per_s']):>19} {x['link_gb_median']:7.2f} {busy:>9} "
-                f"{x['worker_cpu_seconds_median']:6.1f} {x['peak_cluster_rss_max'] / 1e9:7.2f} {ratio:>20}"
+                f"{x['worker_cpu_seconds_median']:6.1f} {x['peak_cluster_rss_max'] / 1e9:7.2f} "
+                f"{x['dask_transfer_gb_max']:8.2f} {ratio:>20}"
             )
     return "\n".join(lines)
 
