@@ -84,8 +84,10 @@ def test_good_values_are_kept(ran: list[tuple[str, argparse.Namespace]]) -> None
     assert cli.main(["bench", "--sizes", "0.01", "0.5", "--workers", "1", "3", "--partitions", "1",
                      "--repeats", "2", "--memory-limit", "0.5", "--lineitem-sf", "0.01",
                      "--gb-per-worker", "0.1"]) == 0
-    (_, demo), (_, default), (_, b) = ran
-    assert [n for n, _ in ran] == ["demo", "demo", "bench"]
+    assert cli.main(["bench", "--no-warmup"]) == 0
+    (_, demo), (_, default), (_, b), (_, cold) = ran
+    assert [n for n, _ in ran] == ["demo", "demo", "bench", "bench"]
+    assert (b.no_warmup, cold.no_warmup) == (False, True)
     assert (demo.scale_factor, demo.workers, demo.partitions) == (0.05, 1, 1)
     # No value means "the default", decided by the demo (not 0 or a falsy value).
     assert (default.scale_factor, default.workers, default.partitions) == (0.5, None, None)
