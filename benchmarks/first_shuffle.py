@@ -12,12 +12,19 @@ same run). Before anything runs, every worker gets:
   the progress thread's ``Shuffler.receive`` and the extract's ``unpack``
   (concatenate + ``to_pandas``); the first ``kernels()`` load is timed apart;
 * a thread that wakes every 10 ms and records the largest gap between its
-  wake-ups (how long something held the GIL), per shuffle.
+  wake-ups less the time it waited on a run queue (``/proc/thread-self/schedstat``):
+  how long something held the GIL, apart from other load on the machine.
 
 Per shuffle it prints the wall time, the workers' user/system CPU-seconds and
 minor faults (``/proc/PID/stat``), the machine's THP and compaction counters
 (``/proc/vmstat``), the stages and the largest GIL gap. Figures are summed
 over both workers.
+
+To tell the kernel's page state from mpshuffle's own: ``--churn GB`` has every
+worker touch and free that much memory just before each shuffle (so the
+kernel's free lists hold pages just used), ``--sleep S`` rests before each
+shuffle; ``--no-warmup`` drops the warm-up shuffle and ``--implicit-bootstrap``
+the explicit bootstrap, so the first timed shuffle is a user's first.
 
 Run: ``python benchmarks/first_shuffle.py [--gb 2.07] [--repeats 2] [--p2p] [--json PATH]``
 (Linux only; options such as ``DASK_MPSHUFFLE__...`` come from the environment).
@@ -81,13 +88,20 @@ def install_probes() -> None:
     wrap(host.Shuffler, "receive", "receive")
     wrap(pandas_adapter.PandasAdapter, "unpack", "extract")
 
+    def run_delay() -> float:
+        # Seconds this thread waited on a run queue (runnable, no CPU free).
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+
     def tick() -> None:
-        last = time.perf_counter()
+        # A gap the thread spent runnable is the machine's other load, not
+        # the GIL: subtract its run-queue wait.
+        last, waited = time.perf_counter(), run_delay()
         while True:
             time.sleep(0.01)
-            now = time.perf_counter()
-            probe.gap = max(probe.gap, now - last - 0.01)  # type: ignore[attr-defined]
-            last = now
+            now, w = time.perf_counter(), run_delay()
+            probe.gap = max(probe.gap, now - last - 0.01 - (w - waited))  # type: ignore[attr-defined]
+            last, waited = now, w
 
     threading.Thread(target=tick, name="gil-ticker", daemon=True).start()
 
