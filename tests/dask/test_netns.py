@@ -370,11 +370,11 @@ def test_a_host_link_cut_mid_shuffle_gives_the_exact_result_or_a_clear_error(
         _nothing_leaked(hclient, {w: after[w] for w in restarted})
 
 
-SOAK_SHUFFLES = 60  # issue 18 asks 200 and 50; these counts keep the test near 30 s on 2 cores
-SOAK_MERGES = 15
+SOAK_SHUFFLES = 200  # issue 18's counts; 36 s on 2 cores (load 3)
+SOAK_MERGES = 50
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_soak_many_shuffles_and_merges_stay_flat(hosts: Hosts, hclient: Client) -> None:
     bootstrap_dask_cluster(hclient, timeout=TIMEOUT, shared_memory=False)
     pdf = _frame(5000, seed=7)
@@ -403,8 +403,9 @@ def test_soak_many_shuffles_and_merges_stay_flat(hosts: Hosts, hclient: Client) 
         b, a = before[w], after[w]
         print(f"  {w}: threads {b['threads']}->{a['threads']} fds {b['fds']}->{a['fds']} "
               f"rss {b['rss'] / 2**20:.0f}->{a['rss'] / 2**20:.0f} MiB")
-        # Bounds: a thread or fd per shuffle would add 60; allocator noise
-        # stays well under 64 MiB for frames of a few hundred KiB.
+        # Bounds: a thread or fd per shuffle would add 200; allocator noise
+        # stays well under 64 MiB for frames of a few hundred KiB
+        # (benchmarks/soak_bench.py measured +3-5 MiB per 100 shuffles).
         assert a["threads"] <= b["threads"] + 2, (w, b, a)
         assert a["fds"] <= b["fds"] + 8, (w, b, a)
         assert a["rss"] - b["rss"] < 64 * 2**20, (w, b, a)
