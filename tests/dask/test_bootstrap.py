@@ -158,3 +158,35 @@ def test_without_preload_the_first_insert_loads_the_kernels() -> None:
         # The option travels with the generation: the next one may turn it on.
         bootstrap_dask_cluster(client, preload_kernels=True)
         wait_for(lambda: None not in client.run(_warmed_up).values(), "the kernels to load")
+
+
+def _hold_back_plugin(seconds: float, dask_worker) -> None:  # type: ignore[no-untyped-def]
+    """Take mpshuffle's plugin off this worker and give it back ``seconds`` later.
+
+    As a worker sees it while the scheduler's broadcast of the plugin is still
+    on its way (the scheduler answers any later registration at once).
+    """
+    from mpshuffle.dask.worker import PLUGIN_NAME
+
+    plugin = dask_worker.plugins.pop(PLUGIN_NAME)
+    dask_worker.loop.call_later(seconds, dask_worker.plugins.__setitem__, PLUGIN_NAME, plugin)
+
+
+def test_a_task_that_finds_the_plugin_still_on_its_way_waits_for_it(client: Client) -> None:
+    """Seen in the README's one-line adoption: an insert raised KeyError 'mpshuffle'."""
+    import numpy as np
+    import pandas as pd
+    from dask import dataframe as dd
+
+    from mpshuffle.dask import shuffle
+
+    bootstrap_dask_cluster(client)
+    worker = sorted(client.scheduler_info()["workers"])[1]
+    client.run(_hold_back_plugin, 1.0, workers=[worker])
+    frame = pd.DataFrame({"k": np.arange(2000) % 37, "v": np.arange(2000)})
+    out = shuffle(dd.from_pandas(frame, npartitions=4), "k", npartitions=3).compute()
+    pd.testing.assert_frame_equal(out.sort_values("v").reset_index(drop=True), frame)
+    wait_for(
+        lambda: all(s["shufflers"] == [] for s in client.run(worker_state).values()),
+        "the run to end on every worker",
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
@@ -25,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 from dask.base import tokenize
 
-from mpshuffle.config import max_npartitions
+from mpshuffle.config import max_npartitions, resolve_options
 from mpshuffle.dask.runtime import LocalRuntime, RunInfo, Runtime
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
 from mpshuffle.shuffler.context import WorkerContext
@@ -258,6 +259,19 @@ def _runtime() -> Runtime:
         from mpshuffle.dask.bootstrap import register_plugins
 
         register_plugins(get_client())
+        # The scheduler answers a registration at once when another one (a
+        # task on another worker, the client building the graph) got there
+        # first, while that one's broadcast may not have reached this worker
+        # yet: wait for it to arrive.
+        waited = resolve_options().bootstrap_timeout
+        deadline = time.monotonic() + waited
+        while PLUGIN_NAME not in worker.plugins:
+            if time.monotonic() > deadline:
+                raise ShuffleError(
+                    f"worker {worker.address}: mpshuffle's worker plugin did not arrive within "
+                    f"{waited:g} s of registering it (bootstrap_timeout)"
+                )
+            time.sleep(0.01)
     plugin = cast(ShuffleWorkerPlugin, worker.plugins[PLUGIN_NAME])
     return plugin  # mypy checks here that the plugin implements Runtime
 
