@@ -67,9 +67,15 @@ def resolve_options(**overrides: Any) -> Options:
             raw[key.replace("-", "_")] = value
     unknown = sorted(set(raw) - set(names))
     if unknown:
+        limits = [k for k in unknown if k in _GRAPH_LIMITS]
+        hint = "".join(
+            f"; {k!r} limits the graphs a client builds, not a generation: set it with "
+            f"dask.config.set({{'mpshuffle.{k.replace('_', '-')}': ...}})"
+            for k in limits
+        )
         raise OptionError(
             f"unknown mpshuffle option(s) {', '.join(map(repr, unknown))}; "
-            f"valid options are: {', '.join(names)}"
+            f"valid options are: {', '.join(names)}{hint}"
         )
     return Options(**raw)
 

@@ -91,6 +91,27 @@ def test_shuffle(client: Client) -> None:
     _clean(client)
 
 
+@pytest.mark.parametrize("bad", [{"mpshuffle.timout": 5}, {"mpshuffle.timeout": -1}], ids=["typo", "value"])
+def test_bad_options_in_dask_config_are_refused_when_the_graph_is_built(client: Client, bad: dict[str, Any]) -> None:
+    """Also once a generation exists, which the workers' bootstrap would not recheck."""
+    from mpshuffle.dask import bootstrap_dask_cluster
+    from mpshuffle.errors import OptionError
+
+    bootstrap_dask_cluster(client)
+    left, right = _frames()
+    df = dd.from_pandas(left, npartitions=3)
+    name = next(iter(bad)).split(".", 1)[1].replace("-", "_")
+    with dask.config.set({**MP, **bad}), get_task_stream(client) as ts:
+        with pytest.raises(OptionError, match=name):
+            df.shuffle("k", npartitions=4).compute()
+        with pytest.raises(OptionError, match=name):
+            mpshuffle.dask.merge(df, dd.from_pandas(right, npartitions=2), on="k").compute()
+    # Refused on the client: no task of a shuffle ran.
+    assert not [t for t in ts.data if "mpshuffle" in str(t["key"])], ts.data
+    with dask.config.set(MP):
+        _same_rows(df.shuffle("k", npartitions=4).compute(), left)
+
+
 def test_merge_and_join(client: Client) -> None:
     left, right = _frames()
     a, b = dd.from_pandas(left, npartitions=6), dd.from_pandas(right, npartitions=4)

@@ -160,6 +160,11 @@ def test_unknown_names_raise_listing_the_valid_ones(clean_env: pytest.MonkeyPatc
         resolve_options()
 
 
+def test_a_graph_limit_given_as_a_generation_option_says_where_it_belongs() -> None:
+    with pytest.raises(OptionError, match=r"'max_npartitions' limits the graphs.*'mpshuffle.max-npartitions'"):
+        resolve_options(max_npartitions=5)
+
+
 def test_option_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         resolve_options(timeout=-1)

@@ -172,6 +172,8 @@ def shuffle_graph(
         index does not travel).
     TypeError
         If ``meta``'s type has no frame adapter.
+    mpshuffle.errors.OptionError
+        If an ``mpshuffle.*`` option in ``dask.config`` is unknown or invalid.
 
     Notes
     -----
@@ -183,6 +185,11 @@ def shuffle_graph(
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
     npartitions = check_npartitions(npartitions)
+    # The mpshuffle.* options in dask.config, checked where the graph is
+    # built: the workers read them only to bootstrap a generation, which an
+    # existing one makes unnecessary, so a typo or a bad value would pass
+    # unseen on every later graph.
+    resolve_options()
     if on_lossy_cast not in ("raise", "keep"):
         raise ValueError(f"on_lossy_cast must be 'raise' or 'keep', got {on_lossy_cast!r}")
     device = is_device_meta(meta)
