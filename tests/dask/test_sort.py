@@ -76,6 +76,12 @@ def test_set_index_divisions(client: Client) -> None:
     divisions = out.divisions
     assert list(divisions) == sorted(divisions)
     assert divisions[0] == pdf["s"].min() and divisions[-1] == pdf["s"].max()
+    # One plain Python type throughout (Dask's own set_index can mix int and
+    # np.int64: its min and max stay NumPy scalars).
+    assert {type(d) for d in divisions} == {str}, divisions
+    ints = dd.from_pandas(pd.DataFrame({"k": np.arange(1000) % 97, "v": np.arange(1000)}), npartitions=4)
+    int_divisions = set_index(ints, "k").divisions
+    assert {type(d) for d in int_divisions} == {int}, int_divisions
     parts = _parts(client, out)
     assert len(parts) == out.npartitions == len(divisions) - 1
     for j, p in enumerate(parts):

@@ -214,6 +214,10 @@ def set_index(
     if lo is None:
         divisions: tuple[Any, ...] = (None,) * (len(keys) + 1)
     else:
+        # Plain Python scalars throughout: the min and max come back as NumPy
+        # scalars, the bounds as Python ones (tolist()); a mix compares and
+        # prints oddly ((np.int64(1), 3, np.int64(4))).
+        lo, hi = (x.item() if isinstance(x, np.generic) else x for x in (lo, hi))
         divisions = (lo, *bounds.tolist(), hi)
     return _collection(graph, meta, len(keys), keys, divisions)
 
