@@ -28,16 +28,18 @@ def test_comm_in_config_is_refused_with_a_sync_client(client: Client) -> None:
     assert sorted(shuffle(_df(), "k").compute()["v"].tolist()) == list(range(100))
 
 
-def test_comm_in_config_is_refused_when_the_tasks_bootstrap() -> None:
-    async def main() -> str:
+def test_comm_in_config_is_refused_with_an_async_client_before_any_task() -> None:
+    """The graph's options are checked where it is built, not first by the tasks' bootstrap."""
+
+    async def main() -> list[int]:
         async with LocalCluster(
             n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0", asynchronous=True
         ) as cluster, Client(cluster, asynchronous=True) as client:
-            with dask.config.set({"mpshuffle.comm": "local"}):
-                out = shuffle(_df(), "k")  # an async client: the first task bootstraps
-                with pytest.raises(Exception) as info:
-                    await client.compute(out)
-                return str(info.value)
+            with dask.config.set({"mpshuffle.comm": "local"}), pytest.raises(
+                OptionError, match=r"unknown mpshuffle option\(s\) 'comm'"
+            ):
+                shuffle(_df(), "k")
+            out = await client.compute(shuffle(_df(), "k"))
+            return sorted(out["v"].tolist())
 
-    msg = asyncio.run(main())
-    assert "bootstrap phase" in msg and "unknown mpshuffle option(s) 'comm'" in msg
+    assert asyncio.run(main()) == list(range(100))
