@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "lineitem and orders that an earlier run left there are deleted and generated anew")
     demo.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
     sub.add_parser("info", help="print versions and available backends")
-    bench.add_arguments(sub.add_parser("bench", help="mpshuffle vs Dask's P2P and task shuffles (JSON + PNG)"))
+    bench.add_arguments(sub.add_parser("bench", help="mpshuffle vs Dask's P2P and task shuffles (JSON; a PNG too with the bench extra's matplotlib)"))
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
