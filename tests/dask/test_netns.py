@@ -194,15 +194,18 @@ def test_shuffle_merge_and_sort_across_namespaces_exactly(hosts: Hosts, hclient:
     assert all(n > 0 for n in sent.values()), sent
     assert set(shared.values()) == {0}, shared
 
-    left = _frame(6000, seed=1)
+    _merge_and_sort_exactly(pdf, _frame(6000, seed=1))
+    _nothing_left(hclient)
+
+
+def _merge_and_sort_exactly(pdf: pd.DataFrame, left: pd.DataFrame) -> None:
+    """A merge of ``left`` with a small right frame, and a sort of ``pdf``: both equal pandas'."""
     right = pd.DataFrame({"k": np.arange(0, 500, 2), "w": np.arange(250) * 10})
     joined = merge(dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3), on="k").compute()
     want = left.merge(right, on="k")
     pd.testing.assert_frame_equal(_rows(joined, ["v"])[list(want.columns)], _rows(want, ["v"]))
-
     ordered = sort_values(dd.from_pandas(pdf, npartitions=5), ["k", "v"]).compute()
     pd.testing.assert_frame_equal(ordered.reset_index(drop=True), pdf.sort_values(["k", "v"]).reset_index(drop=True))
-    _nothing_left(hclient)
 
 
 def _cut_own_link_at(kind: str, inner: str, up_after: float | None = None, dask_worker: Any = None) -> None:
@@ -428,14 +431,8 @@ def test_shuffle_merge_and_sort_across_namespaces_over_tls_exactly(tls_client: C
     pdf = _frame(20_000, seed=5)
     out = shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=7).compute()
     pd.testing.assert_frame_equal(_rows(out, ["v"]), pdf)
-    left = _frame(4000, seed=6)
-    right = pd.DataFrame({"k": np.arange(0, 500, 2), "w": np.arange(250) * 10})
-    joined = merge(dd.from_pandas(left, npartitions=4), dd.from_pandas(right, npartitions=3), on="k").compute()
-    want = left.merge(right, on="k")
-    pd.testing.assert_frame_equal(_rows(joined, ["v"])[list(want.columns)], _rows(want, ["v"]))
-    # A sort: its sample and range partitioner, over TLS too.
-    ordered = sort_values(dd.from_pandas(pdf, npartitions=5), ["k", "v"]).compute()
-    pd.testing.assert_frame_equal(ordered.reset_index(drop=True), pdf.sort_values(["k", "v"]).reset_index(drop=True))
+    # A merge, and a sort (its sample and range partitioner), over TLS too.
+    _merge_and_sort_exactly(pdf, _frame(4000, seed=6))
     sent = client.run(lambda dask_worker: get_worker_context(dask_worker).comm.bytes_sent)
     assert all(n > 0 for n in sent.values()), sent
     _nothing_left(client)
