@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -456,7 +457,9 @@ def test_ids_are_deterministic_across_processes() -> None:
             capture_output=True,
             text=True,
             check=True,
-            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            # The parent's environment (however mpshuffle is on the path: an
+            # install or PYTHONPATH) with only Python's hash seed changed.
+            env={**os.environ, "PYTHONHASHSEED": seed},
         ).stdout
         for seed in ("1", "2")
     ]
