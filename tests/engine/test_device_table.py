@@ -68,7 +68,7 @@ def test_import_does_not_load_cupy() -> None:
     if "cupy" in sys.modules:
         pytest.skip("cupy already imported in this process")
     import mpshuffle.comm.nccl
-    import mpshuffle.shuffler.collective
+    import mpshuffle.shuffler.device
     import mpshuffle.table.cudf  # noqa: F401
 
     assert "cupy" not in sys.modules

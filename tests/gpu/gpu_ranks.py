@@ -1,9 +1,12 @@
-"""One rank of a multi-GPU device-shuffle check, run as a subprocess by tests/gpu/test_gpu.py.
+"""One rank of a multi-process device run, run as a subprocess by tests/gpu/test_gpu.py.
 
 Usage: ``python tests/gpu/gpu_ranks.py RANK NRANKS ADDRESS_FILE OUTDIR [BUDGET_BYTES]``. Rank
-``r`` uses GPU ``r``, builds its deterministic input rounds, shuffles them
-with :class:`mpshuffle.shuffler.collective.DeviceShuffle` and writes its input
-and output partitions (as NumPy) to ``OUTDIR/rank{r}.npz`` for the parent to check.
+``r`` uses GPU ``r``: a :class:`~mpshuffle.shuffler.context.WorkerContext` over
+a TCP host communicator (as a Dask worker holds, without Dask) runs one
+:class:`~mpshuffle.shuffler.device.DeviceRun` of three deterministic input
+tables per rank (rank 0 calls the barrier; NCCL moves the bytes), and writes
+its inputs and owned output partitions (as NumPy) to ``OUTDIR/rank{r}.npz``
+for the parent to check.
 """
 
 from __future__ import annotations
@@ -51,18 +54,22 @@ def main() -> None:
     import cupy
     import numpy as np
 
-    from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.memory import BufferResource, MemoryType
-    from mpshuffle.shuffler.collective import DeviceShuffle
-    from mpshuffle.table.device import DeviceTable
+    from mpshuffle.memory import MemoryType
+    from mpshuffle.options import Options
+    from mpshuffle.shuffler.context import WorkerContext
+    from mpshuffle.table import owned_partitions
+    from mpshuffle.table.device import DeviceAdapter, DeviceTable
 
     cupy.cuda.Device(rank).use()
     comm = connect(rank, nranks, address_file)
-    transport = asyncio.run(NcclTransport.acreate(comm))
-    resource = BufferResource({MemoryType.DEVICE: budget})
-    sh = DeviceShuffle(comm, transport, npartitions=5, on=["k", "j"], resource=resource)
+    total = int(cupy.cuda.runtime.memGetInfo()[1])
+    options = Options(spill_device=budget / total if budget else 0.5, timeout=120)
+    ctx = WorkerContext(comm, "gpu-test", options, memory_limit=2**34, local_directory=outdir)
+    assert ctx.device is not None and ctx.device.device == rank, "the rank did not take its own GPU"
+    run = ctx.shuffler(1, device=True)
     rng = np.random.default_rng(rank)
     saved = {}
+    meta = None
     for rnd in range(3):
         n = 20_000 + 1000 * rank + rnd * 7  # unequal sizes on purpose; round 1 of rank 1 empty
         if rank == 1 and rnd == 1:
@@ -76,18 +83,25 @@ def main() -> None:
         }
         for k, v in host.items():
             saved[f"in{rnd}_{k}"] = v
-        sh.insert(DeviceTable({k: cupy.asarray(v) for k, v in host.items()}))
-    stats = dict(sh.statistics)
-    for p in sh.owned:
-        t = sh.extract(p)
+        table = DeviceTable({k: cupy.asarray(v) for k, v in host.items()})
+        meta = table.empty_like()
+        # Input partitions numbered round-major: outputs come ordered by round, then rank.
+        run.insert(rnd * nranks + rank, table, ["k", "j"], 5)
+    if rank == 0:
+        run.barrier(5)
+    adapter = DeviceAdapter()
+    for p in owned_partitions(rank, nranks, 5):
+        t = adapter.unpack(run.extract(p), meta)
         assert t.xp is cupy, "output partition is not on the device"
         assert all(isinstance(c, cupy.ndarray) for c in t.columns.values())
         for k, v in t.to_host().columns.items():
             saved[f"out{p}_{k}"] = v
-    saved["stats"] = np.array([stats["bytes_spilled"], stats["rounds"]], dtype=np.int64)
-    saved["device_used_after"] = np.array([resource.used(MemoryType.DEVICE)])
+    stats = dict(ctx.history[-1][1])
+    saved["stats"] = np.array([stats["bytes_spilled_host"], stats["rounds"]], dtype=np.int64)
+    saved["device_used_after"] = np.array([ctx.resource.used(MemoryType.DEVICE)])
     np.savez(f"{outdir}/rank{rank}.npz", **saved)
-    transport.close()
+    comm.barrier("done", 120)  # no rank closes while a peer may still send it acks
+    ctx.close()
     comm.close()
 
 

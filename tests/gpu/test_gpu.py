@@ -1,7 +1,7 @@
-"""GPU tests: device tables, on-device partitioning, the NCCL device shuffle, the pool.
+"""GPU tests: device tables, on-device partitioning, the NCCL transport, device runs across processes, the pool.
 
-Skipped where CuPy is missing or no CUDA device is visible; the multi-rank
-test also needs two devices.
+Skipped where CuPy is missing or no CUDA device is visible; the two-rank
+case of the multi-process test also needs two devices.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ except Exception:  # noqa: BLE001 - no driver, or no device
     _NDEV = 0
 pytestmark = pytest.mark.skipif(_NDEV < 1, reason="no CUDA device")
 
-from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.table import get_adapter
 from mpshuffle.table.device import DeviceAdapter, DeviceTable, unpack_piece
 from mpshuffle.table.gpu import register_device_adapter
@@ -98,54 +97,27 @@ def test_device_table_validates_columns() -> None:
         DeviceTable({"a": cupy.zeros(2, dtype=cupy.complex128)})
 
 
-def _local_shuffle(budget: int | None, rounds: int, n: int):  # type: ignore[no-untyped-def]
+def test_nccl_transport_on_one_gpu_copies_its_own_share() -> None:
+    """One rank's exchange: its own sends land in its own receives, in order; zero bytes skipped."""
     from mpshuffle.comm.local import LocalCommunicator
     from mpshuffle.comm.nccl import NcclTransport
-    from mpshuffle.shuffler.collective import DeviceShuffle
+    from mpshuffle.errors import CommError
 
     comm = LocalCommunicator()
     transport = NcclTransport.create(comm)
-    resource = BufferResource({MemoryType.DEVICE: budget})
-    sh = DeviceShuffle(comm, transport, 4, ["k"], resource=resource)
-    frames = []
-    for r in range(rounds):
-        df = pd.DataFrame({"k": np.arange(n, dtype=np.int64) * 7 + r, "v": np.full(n, r, dtype=np.float64)})
-        frames.append(df)
-        sh.insert(DeviceTable.from_pandas(df))
-    return comm, transport, resource, sh, pd.concat(frames, ignore_index=True)
-
-
-def test_single_rank_device_shuffle() -> None:
-    comm, transport, resource, sh, df = _local_shuffle(None, 1, 10_000)
     try:
-        ids = partition_ids(df[["k"]], 4)
-        for p in range(4):
-            out = sh.extract(p)
-            assert out.xp is cupy
-            pd.testing.assert_frame_equal(out.to_pandas(), df[ids == p].reset_index(drop=True))
-        assert sh.statistics["bytes_spilled"] == 0
-        assert resource.used(MemoryType.DEVICE) == 0  # freed after the last extract
+        sends = [cupy.arange(n, dtype=cupy.uint8) + i for i, n in enumerate((1000, 0, 77))]
+        recvs = [cupy.zeros(a.nbytes, dtype=cupy.uint8) for a in sends]
+        transport.exchange({0: sends}, {0: recvs})
+        for s, r in zip(sends, recvs, strict=True):
+            np.testing.assert_array_equal(r.get(), s.get())
+        with pytest.raises(CommError, match="sizes differ"):
+            transport.exchange({0: sends[:1]}, {0: recvs[2:]})
     finally:
         transport.close()
         comm.close()
-
-
-def test_device_shuffle_spills_past_budget() -> None:
-    # 4 rounds of 16 bytes x 50_000 rows = 3.2 MB received against a 1.6 MB budget (2x).
-    comm, transport, resource, sh, df = _local_shuffle(1_600_000, 4, 50_000)
-    try:
-        assert sh.statistics["bytes_spilled"] >= 1_600_000
-        assert sh.device_bytes <= 1_600_000
-        assert resource.used(MemoryType.HOST) == sh.statistics["bytes_spilled"]
-        ids = partition_ids(df[["k"]], 4)
-        for p in range(4):
-            out = sh.extract(p)
-            assert out.xp is cupy
-            pd.testing.assert_frame_equal(out.to_pandas(), df[ids == p].reset_index(drop=True))
-        assert resource.used(MemoryType.DEVICE) == 0 and resource.used(MemoryType.HOST) == 0
-    finally:
-        transport.close()
-        comm.close()
+    with pytest.raises(CommError, match="closed"):
+        transport.exchange({}, {})
 
 
 def test_pool_size_reserves_device_memory() -> None:
@@ -167,17 +139,18 @@ def test_pool_size_reserves_device_memory() -> None:
 
 
 
-@pytest.mark.skipif(_NDEV < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("nranks", [1, pytest.param(2, marks=pytest.mark.skipif(_NDEV < 2, reason="needs two CUDA devices"))])
 @pytest.mark.parametrize("budget", [None, 400_000])
 @pytest.mark.timeout(300)
-def test_two_gpu_device_shuffle(tmp_path, budget) -> None:  # type: ignore[no-untyped-def]
+def test_device_run_across_processes(tmp_path, nranks, budget) -> None:  # type: ignore[no-untyped-def]
+    """A DeviceRun per process (one GPU each, TCP control messages, NCCL bytes), without Dask."""
     args = [str(tmp_path / "root-address"), str(tmp_path)] + ([str(budget)] if budget else [])
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_ranks.py"), str(r), "2", *args])
-        for r in range(2)
+        subprocess.Popen([sys.executable, os.path.join(HERE, "gpu_ranks.py"), str(r), str(nranks), *args])
+        for r in range(nranks)
     ]
-    assert [p.wait(240) for p in procs] == [0, 0]
-    data = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    assert [p.wait(240) for p in procs] == [0] * nranks
+    data = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(nranks)]
     cols = ["k", "j", "x", "src", "row"]
     inputs = pd.concat(
         [pd.DataFrame({c: d[f"in{rnd}_{c}"] for c in cols}) for d in data for rnd in range(3)],
@@ -185,7 +158,7 @@ def test_two_gpu_device_shuffle(tmp_path, budget) -> None:  # type: ignore[no-un
     )
     outputs = []
     for p in range(5):
-        d = data[p % 2]
+        d = data[p % nranks]
         out = pd.DataFrame({c: d[f"out{p}_{c}"] for c in cols})
         assert (partition_ids(out[["k", "j"]], 5) == p).all()
         # rows keep round, then source rank, then source order

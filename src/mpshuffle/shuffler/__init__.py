@@ -21,9 +21,8 @@ device
 context
     :class:`~mpshuffle.shuffler.context.WorkerContext`, what one rank of a
     generation holds: communicator, budgets, GPU and runs.
-collective
-    :class:`~mpshuffle.shuffler.collective.DeviceShuffle`, a bulk-synchronous
-    device shuffle for ranks that all call it together (each round received
-    straight into per-column output buffers); the GPU benchmark's transport
-    baseline and the multi-process NCCL test use it.
+
+The bulk-synchronous device shuffle that the GPU benchmark measures
+:class:`~mpshuffle.shuffler.device.DeviceRun` against is not here: a
+baseline lives with its benchmark (``benchmarks/gpu_collective.py``).
 """

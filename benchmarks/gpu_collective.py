@@ -1,4 +1,10 @@
-"""The device shuffle: hash-partition device tables and move them GPU to GPU over NCCL.
+"""The baseline of ``gpu_bench.py``: a bulk-synchronous device shuffle over NCCL.
+
+Not part of mpshuffle: the library's device shuffle is
+:class:`mpshuffle.shuffler.device.DeviceRun`. This one is kept beside its
+benchmark as the transport baseline that ``DeviceRun`` is measured against
+(no outbox, no barrier task, no consolidation: each round is received straight
+into per-column output buffers). ``gpu_bench.py`` imports it from this folder.
 
 A :class:`DeviceShuffle` exists on every rank for one shuffle. It runs in
 *rounds*: in each round every rank calls :meth:`DeviceShuffle.insert` with
