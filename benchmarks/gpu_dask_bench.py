@@ -6,7 +6,7 @@ partitions made on the GPUs (an int64 ``key`` uniform in [0, 2^62) and three
 float64 columns: 32 bytes a row), kept there as futures, then a shuffle of
 them through :func:`mpshuffle.dask.shuffle_graph`. Seconds: from
 ``client.get`` of the graph until every output partition exists on its owner
-GPU (a tiny task per partition returns its row count, so outputs stay
+GPU (a tiny task per partition returns its summary, so outputs stay
 device-resident); Dask's scheduling of the graph is inside the time. GB/s per
 GPU = that GPU's input bytes / seconds.
 
@@ -36,9 +36,22 @@ def make(i: int, nrows: int, seed: int) -> Any:
     })
 
 
-def nrows_of(t: Any) -> int:
-    """Rows of an output partition (keeps the partition on its GPU)."""
-    return int(t.nrows)
+def summary(t: Any, partition: int | None = None, npartitions: int = 1) -> list[int]:
+    """Rows, checksum and membership of a partition, computed on its GPU (it stays there).
+
+    The checksum is the sum of every column's values taken as ``uint64`` bits,
+    modulo 2^64 (exact and independent of row order); membership is 1 when
+    every row's key hashes to ``partition`` (always 1 for an input).
+    """
+    import cupy as cp
+
+    from mpshuffle.table.device import DeviceAdapter
+
+    total = sum(int(c.view(cp.uint64).sum(dtype=cp.uint64)) for c in t.columns.values()) % 2**64
+    member = 1
+    if partition is not None and t.nrows:
+        member = int(bool((DeviceAdapter().partition_ids(t, ["key"], npartitions) == partition).all()))
+    return [int(t.nrows), total, member]
 
 
 def stats_probe(dask_worker: Any) -> dict[str, Any]:
@@ -91,7 +104,9 @@ def main() -> None:
             futs = [client.submit(make, i, nrows, int(gb * 100), workers=[addrs[i % ngpu]], pure=False)
                     for i in range(nin)]
             wait(futs)
-            secs = []
+            want = client.gather([client.submit(summary, f, pure=False) for f in futs])
+            want_rows, want_sum = sum(w[0] for w in want), sum(w[1] for w in want) % 2**64
+            secs, correct = [], []
             stats = {}
             for rep in range(args.reps):
                 graph, keys = shuffle_graph([f.key for f in futs], on=["key"],
@@ -100,19 +115,23 @@ def main() -> None:
                 for k, task in list(graph.items()):
                     if isinstance(k, tuple) and "insert" in k[0]:
                         graph[k] = (task[0], futs[task[2]], *task[2:])
-                count_keys = [("count", j) for j in range(args.npartitions)]
-                for ck, k in zip(count_keys, keys, strict=True):
-                    graph[ck] = (nrows_of, k)
+                count_keys = [("summary", j) for j in range(args.npartitions)]
+                for j, (ck, k) in enumerate(zip(count_keys, keys, strict=True)):
+                    graph[ck] = (summary, k, j, args.npartitions)
                 t0 = time.perf_counter()
-                counts = client.get(graph, count_keys)
+                got = client.get(graph, count_keys)
                 secs.append(time.perf_counter() - t0)
-                assert sum(counts) == nin * nrows, (sum(counts), nin * nrows)
+                ok = (sum(g[0] for g in got) == want_rows == nin * nrows
+                      and sum(g[1] for g in got) % 2**64 == want_sum and all(g[2] for g in got))
+                if not ok:
+                    raise SystemExit(f"{gb} GB, rep {rep}: output check failed: {got}")
+                correct.append(ok)
                 time.sleep(0.5)  # let the run's cleanup reach the workers
                 stats = client.run(stats_probe)
             gb_gpu = args.inputs * nrows * 32 / 1e9
             row = {"method": "mpshuffle-dask", "gb_per_gpu": gb_gpu, "seconds": secs,
                    "best_gbps": gb_gpu / min(secs), "median_gbps": gb_gpu / sorted(secs)[len(secs) // 2],
-                   "stats": stats}
+                   "correct": correct, "stats": stats}
             print(json.dumps(row), flush=True)
             results.append(row)
             del futs

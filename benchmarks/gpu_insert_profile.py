@@ -12,6 +12,11 @@ float64 columns. Printed per table size:
   device table at insert; an output frame from one consolidated piece, and
   from 64 pieces, at extract).
 
+Every timed insert's output is checked after the timing (the packed pieces
+of the run's outbox, and those of each timed ``pack`` step): rows, a checksum
+of every column's bits against the table's, and every row's key hashing to
+its piece's partition; a failed check stops the run.
+
 Run: ``python benchmarks/gpu_insert_profile.py --rows 100000 10000000``.
 """
 
@@ -49,6 +54,42 @@ def _timed(fn: Any, sync: Any, reps: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / reps
 
 
+def _checksum(xp: Any, columns: Any) -> int:
+    """Sum of the columns' values taken as ``uint64`` bits, modulo 2^64 (8-byte columns)."""
+    return sum(int(c.view(xp.uint64).sum(dtype=xp.uint64)) for c in columns) % 2**64
+
+
+def _check_pieces(xp: Any, pieces: dict[int, Any], table: Any, npart: int, what: str) -> None:
+    """Raise unless ``pieces`` hold exactly ``table``'s rows, each in its key's partition."""
+    from mpshuffle.table.device import DeviceAdapter, unpack_piece
+
+    ad = DeviceAdapter()
+    parts = {p: unpack_piece(pk) for p, pk in pieces.items()}
+    rows = sum(t.nrows for t in parts.values())
+    total = sum(_checksum(xp, t.columns.values()) for t in parts.values()) % 2**64
+    member = all(bool((ad.partition_ids(t, ["key"], npart) == p).all()) for p, t in parts.items())
+    if not (rows == table.nrows and total == _checksum(xp, table.columns.values()) and member):
+        raise SystemExit(f"{what}: output check failed (rows {rows} of {table.nrows}, membership {member})")
+
+
+def _check_outbox(xp: Any, run: Any, tables: list[Any], first: int, npart: int) -> int:
+    """Check the outbox entries of inputs ``first ...`` (input ``first + i`` is ``tables[i % 4]``)."""
+    from mpshuffle.table import PackedData
+
+    n = 0
+    for out in run._outbox:
+        if out.input_index < first or out.input_index >= first + 100:
+            continue
+        data = out.buffer.data
+        pieces = {
+            pid: PackedData(out.meta, data[start + off : start + off + nbytes], rows)
+            for start, _end, ps in out.ranges.values() for pid, off, nbytes, rows in ps
+        }
+        _check_pieces(xp, pieces, tables[(out.input_index - first) % 4], npart, f"insert {out.input_index}")
+        n += 1
+    return n
+
+
 def _cudf_costs(xp: Any, sync: Any) -> None:
     import cudf
 
@@ -76,8 +117,8 @@ def main() -> None:
 
     import cupy as xp
 
-    from mpshuffle.shuffler.device import DeviceRun, DeviceState
     from mpshuffle.memory import BufferResource
+    from mpshuffle.shuffler.device import DeviceRun, DeviceState
     from mpshuffle.table.device import DeviceAdapter, pack_sorted, partition_order, rank_major_pids
 
     sync = xp.cuda.Device().synchronize
@@ -97,7 +138,10 @@ def main() -> None:
             run.insert(100 + i, tables[i % 4], ["key"], npart)
             sync()
             t.append(time.perf_counter() - t0)
-        print(f"rows {rows}: insert ms min {1e3 * min(t):.2f} median {1e3 * float(np.median(t)):.2f}")
+        checked = _check_outbox(xp, run, tables, 100, npart)
+        assert checked == args.inserts, (checked, args.inserts)
+        print(f"rows {rows}: insert ms min {1e3 * min(t):.2f} median {1e3 * float(np.median(t)):.2f} "
+              f"({checked} outputs checked)")
         ad = DeviceAdapter()
         steps: dict[str, list[float]] = {"ids": [], "order": [], "pack": []}
         for i in range(args.inserts):
@@ -109,9 +153,11 @@ def main() -> None:
             order, counts = partition_order(ids, npart, 2)
             sync()
             t2 = time.perf_counter()
-            pack_sorted(tb, order, counts, rank_major_pids(npart, 2))
+            pieces = pack_sorted(tb, order, counts, rank_major_pids(npart, 2))
             sync()
             t3 = time.perf_counter()
+            _check_pieces(xp, pieces, tb, npart, f"pack step {i}")
+            del pieces
             steps["ids"].append(t1 - t0)
             steps["order"].append(t2 - t1)
             steps["pack"].append(t3 - t2)
@@ -122,6 +168,7 @@ def main() -> None:
             run.insert(200 + i, tables[i % 4], ["key"], npart)
         sync()
         prof.disable()
+        assert _check_outbox(xp, run, tables, 200, npart) == args.inserts
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(22)
         print("\n".join(s.getvalue().splitlines()[:40]))
