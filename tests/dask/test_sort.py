@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from typing import Any
 
 import dask
 import dask.dataframe as dd
@@ -173,3 +175,49 @@ def test_sync_scheduler_and_bad_input() -> None:
         sort_values(df, "x", na_position="middle")
     with pytest.raises(TypeError, match="dask DataFrame"):
         set_index(pdf, "x")  # type: ignore[arg-type]
+
+
+def test_sorts_on_an_async_client(cluster: Any) -> None:
+    # On an asynchronous client's loop the sample cannot be computed while the
+    # graph is built; it is computed with the result, and gives the rows and
+    # partitions the eager sample gives (plus empty partitions at the end).
+    pdf = _input(seed=3)
+    df = dd.from_pandas(pdf, npartitions=5)
+    builds = {
+        "ascending": lambda: sort_values(df, "x"),
+        "descending, nulls first": lambda: sort_values(df, "x", ascending=False, na_position="first"),
+        "several columns": lambda: sort_values(df, ["y", "s", "x"], ascending=[False, True, True]),
+        "fewer keys than partitions": lambda: sort_values(df, "y", npartitions=9),
+        "index": lambda: set_index(df, "s", npartitions=4),
+        "only nulls": lambda: sort_values(df.assign(x=np.nan), "x"),
+    }
+
+    async def main() -> tuple[dict[str, Any], list[pd.DataFrame], list[dict[str, Any]]]:
+        async with Client(cluster.scheduler_address, asynchronous=True) as c:
+            got = {}
+            for what, build in builds.items():
+                out = build()
+                got[what] = (out.npartitions, out.known_divisions, await c.gather(c.compute(out.to_delayed())))
+            persisted = c.persist(set_index(df, "x"))
+            persisted_parts = await c.gather(c.compute(persisted.to_delayed()))
+            return got, persisted_parts, list((await c.run(worker_state)).values())
+
+    got, persisted_parts, states = asyncio.run(main())
+    with dask.config.set(scheduler="sync"):  # the eager sample, in this process
+        want = {what: dask.compute(*build().to_delayed()) for what, build in builds.items()}
+        want_persisted = dask.compute(*set_index(df, "x").to_delayed())
+    for what, (npartitions, known_divisions, parts) in got.items():
+        assert not known_divisions, what
+        expected = want[what]
+        n = len(expected)
+        assert len(parts) == npartitions >= n, what
+        for p, e in zip(parts[:n], expected, strict=True):
+            pd.testing.assert_frame_equal(p, e)
+        for p in parts[n:]:
+            assert len(p) == 0, what
+            pd.testing.assert_series_equal(p.dtypes, expected[0].dtypes)
+    assert len(got["fewer keys than partitions"][2]) == 9  # 6 distinct values: 3 empty at the end
+    for p, e in zip(persisted_parts, want_persisted, strict=False):
+        pd.testing.assert_frame_equal(p, e)
+    assert sum(map(len, persisted_parts)) == len(pdf)
+    assert all(s["shufflers"] == [] for s in states)

@@ -3,7 +3,12 @@
 1. A sample of the key column (up to ``sample_size`` non-null values per input
    partition, drawn with pandas' ``Series.sample``) and its global minimum and
    maximum are computed with Dask — one pass over the input, as Dask's own
-   ``set_index`` and ``sort_values`` make.
+   ``set_index`` and ``sort_values`` make. Where that cannot happen while the
+   graph is built (on the event loop of an asynchronous Client, where
+   ``dask.compute`` would have to block the loop it needs), the sample and
+   the boundaries become tasks of the graph instead (see
+   :func:`_deferred_range_shuffle`): the same sample, the same boundaries, so
+   the same rows in the same partitions.
 2. Boundaries ``b_0 < ... < b_{k-1}`` split the sorted distinct sampled
    values into ranges of about equal weight (each sampled value weighs the
    rows of its partition it stands for), greedily. A value heavier than a
@@ -130,7 +135,12 @@ def sort_values(
     Notes
     -----
     The sample is computed eagerly (the input is read once for it and once
-    for the shuffle). See the module docstring for the algorithm.
+    for the shuffle). On the event loop of an asynchronous Client it is
+    computed with the result instead: the sample and the boundaries are
+    tasks of the graph, the input is read once and held in the cluster's
+    memory until the boundaries are known, and there are exactly
+    ``npartitions`` output partitions (those past the last boundary empty).
+    See the module docstring for the algorithm.
     """
     _check_frame(df, "sort_values")
     by = _as_list(by)
@@ -147,13 +157,21 @@ def sort_values(
     if na_position not in ("first", "last"):
         raise ValueError(f"sort_values: na_position must be 'first' or 'last', got {na_position!r}")
     df = df.optimize()
-    bounds, _, _ = _boundaries(df, by[0], _target(df, npartitions), sample_size)
-    partitioner = RangePartitioner(by[0], bounds, asc[0], na_position == "first")
-    extract_keys, graph = _range_shuffle(df, partitioner, keep_index=True)
+    target = _target(df, npartitions)
+    na_first = na_position == "first"
+    if _sample_now():
+        bounds, _, _ = _boundaries(df, by[0], target, sample_size)
+        partitioner = RangePartitioner(by[0], bounds, asc[0], na_first)
+        extract_keys, graph = _range_shuffle(df, partitioner, keep_index=True)
+        hidden = None
+    else:
+        extract_keys, graph, hidden = _deferred_range_shuffle(
+            df, by[0], target, sample_size, asc[0], na_first, keep_index=True
+        )
     name = "mpshuffle-sort-" + tokenize(extract_keys, by, asc, na_position)
     keys = []
     for j, key in enumerate(extract_keys):
-        graph[(name, j)] = (_sort_partition, key, by, asc, na_position)
+        graph[(name, j)] = (_sort_partition, key, by, asc, na_position, hidden)
         keys.append((name, j))
     return _collection(graph, df._meta, len(keys), keys)
 
@@ -188,7 +206,11 @@ def set_index(
         partition ``i`` holds the index values in ``[div_i, div_{i+1})``, the
         last one ``[div_{k}, max]``. Null keys go to the last partition,
         after ``max`` (as pandas sorts them); with only null keys, or no rows,
-        there is one partition and divisions are unknown.
+        there is one partition and divisions are unknown. On the event loop
+        of an asynchronous Client the divisions are unknown (they would have
+        to be computed before this function returns, which would block the
+        loop the computation needs): the partitions are sorted and in order
+        all the same, as :func:`sort_values` describes for that case.
 
     Raises
     ------
@@ -202,13 +224,21 @@ def set_index(
     _check_frame(df, "set_index")
     _check_columns(df, [column], "set_index")
     df = df.optimize()
-    bounds, lo, hi = _boundaries(df, column, _target(df, npartitions), sample_size)
-    partitioner = RangePartitioner(column, bounds)
-    extract_keys, graph = _range_shuffle(df, partitioner, keep_index=False)
+    target = _target(df, npartitions)
+    if _sample_now():
+        bounds, lo, hi = _boundaries(df, column, target, sample_size)
+        partitioner = RangePartitioner(column, bounds)
+        extract_keys, graph = _range_shuffle(df, partitioner, keep_index=False)
+        hidden = None
+    else:
+        extract_keys, graph, hidden = _deferred_range_shuffle(
+            df, column, target, sample_size, True, False, keep_index=False
+        )
+        lo = None
     name = "mpshuffle-set-index-" + tokenize(extract_keys, column, drop)
     keys = []
     for j, key in enumerate(extract_keys):
-        graph[(name, j)] = (_set_index_partition, key, column, drop)
+        graph[(name, j)] = (_set_index_partition, key, column, drop, hidden)
         keys.append((name, j))
     meta = df._meta.set_index(column, drop=drop)
     if lo is None:
@@ -272,12 +302,21 @@ def _boundaries(
         key.min(),
         key.max(),
     )
-    empty = pd.Index(values_meta)
+    bounds = _bounds_from_sample(sample, lo, values_meta, npartitions)
     if len(sample) == 0 or pd.isna(lo):
-        return empty, None, None
+        return bounds, None, None
+    return bounds, lo, hi
+
+
+def _bounds_from_sample(
+    sample: pd.DataFrame, lo: Any, values_meta: pd.Series, npartitions: int
+) -> pd.Index:
+    """The boundaries from the concatenated samples and the key's global minimum ``lo``."""
+    if len(sample) == 0 or pd.isna(lo):
+        return pd.Index(values_meta)
     weights = sample.groupby("value", sort=True, observed=True)["weight"].sum()
     bounds = _split_points(list(weights.index), weights.to_numpy(), npartitions)
-    return pd.Index([b for b in bounds if b > lo], dtype=values_meta.dtype), lo, hi
+    return pd.Index([b for b in bounds if b > lo], dtype=values_meta.dtype)
 
 
 def _split_points(values: list[Any], weights: Any, npartitions: int) -> list[Any]:
@@ -338,13 +377,140 @@ def _range_shuffle(
     return keys, graph
 
 
+def _sample_now() -> bool:
+    """Whether the sample can be computed while the graph is built.
+
+    Not on the event loop of an asynchronous Client: ``dask.compute`` refuses
+    to block the loop that would have to run the computation (Dask raises
+    ``RuntimeError`` there).
+    """
+    scheduler = dask.config.get("scheduler", None)
+    if scheduler is not None and scheduler not in ("dask.distributed", "distributed"):
+        # A named local scheduler, or a Client object given as the scheduler.
+        return not getattr(scheduler, "asynchronous", False)
+    try:
+        from distributed import get_client
+
+        client = get_client()
+    except (ImportError, ValueError):
+        return True
+    return not client.asynchronous
+
+
+def _deferred_range_shuffle(
+    df: dd.DataFrame,
+    column: Any,
+    npartitions: int,
+    sample_size: int,
+    ascending: bool,
+    na_first: bool,
+    keep_index: bool,
+) -> tuple[list[Any], dict[Any, Any], str]:
+    """A range shuffle whose sample and boundaries are tasks of its graph.
+
+    One sample task per input partition (the rows :func:`_sample` draws, and
+    the partition's minimum and maximum key), one task that reduces them to
+    the boundaries exactly as :func:`_boundaries` does, and one task per
+    input partition that writes each row's range partition into a hidden
+    ``int64`` column, which the shuffle partitions on. The number of output
+    partitions is ``npartitions`` (it cannot depend on the sample); those past
+    the last boundary stay empty.
+
+    Returns the shuffle's output keys, the graph and the hidden column's
+    name (the tasks after the shuffle drop it).
+    """
+    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
+        raise ValueError(
+            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
+            "or the 'threads' or 'sync' scheduler"
+        )
+    _warm_up()
+    hidden = "_mpshuffle_range"
+    while hidden in df.columns:
+        hidden = "_" + hidden
+    values_meta = df._meta[column].iloc[:0].reset_index(drop=True)
+    size = max(int(sample_size), 1)
+    token = tokenize(df._name, column, npartitions, size, ascending, na_first, keep_index)
+    graph = dict(df.__dask_graph__())
+    input_keys = _skip_aliases(graph, df.__dask_keys__())
+    sample_name = f"mpshuffle-range-sample-{token}"
+    bounds_name = f"mpshuffle-range-bounds-{token}"
+    ids_name = f"mpshuffle-range-ids-{token}"
+    for i, key in enumerate(input_keys):
+        graph[(sample_name, i)] = (_sample_with_extremes, key, column, size)
+    graph[bounds_name] = (
+        _deferred_bounds, values_meta, npartitions, [(sample_name, i) for i in range(len(input_keys))]
+    )
+    for i, key in enumerate(input_keys):
+        graph[(ids_name, i)] = (_with_range_ids, key, bounds_name, column, ascending, na_first, hidden)
+    meta = df._meta.assign(**{hidden: np.empty(0, dtype=np.int64)})
+    if not keep_index:
+        meta = meta.reset_index(drop=True)
+    layer, keys = shuffle_graph(
+        [(ids_name, i) for i in range(len(input_keys))],
+        on=[hidden],
+        npartitions=npartitions,
+        meta=meta,
+        keep_index=keep_index,
+        name="mpshuffle-range",
+        token=token,
+        partitioner=_HiddenIds(hidden),
+    )
+    graph.update(layer)
+    return keys, graph, hidden
+
+
+def _sample_with_extremes(part: pd.DataFrame, column: Any, size: int) -> tuple[pd.DataFrame, pd.Series]:
+    """Task: :func:`_sample` of one partition, and its smallest and largest non-null key."""
+    values = part[column].dropna()
+    extremes = values.iloc[:0]
+    if len(values):
+        extremes = pd.Series([values.min(), values.max()], dtype=values.dtype)
+    return _sample(part, column, size), extremes
+
+
+def _deferred_bounds(
+    values_meta: pd.Series, npartitions: int, samples: list[tuple[pd.DataFrame, pd.Series]]
+) -> pd.Index:
+    """Task: the boundaries from every partition's sample, as :func:`_boundaries` finds them."""
+    sample = pd.concat([s for s, _ in samples], ignore_index=True)
+    extremes = pd.concat([e for _, e in samples], ignore_index=True)
+    lo = extremes.min() if len(extremes) else None
+    return _bounds_from_sample(sample, lo, values_meta, npartitions)
+
+
+def _with_range_ids(
+    frame: pd.DataFrame, bounds: pd.Index, column: Any, ascending: bool, na_first: bool, hidden: str
+) -> pd.DataFrame:
+    """Task: ``frame`` with each row's range partition in the column ``hidden``."""
+    ids = RangePartitioner(column, bounds, ascending, na_first)(frame)
+    return frame.assign(**{hidden: ids})
+
+
+@dataclasses.dataclass(frozen=True)
+class _HiddenIds:
+    """Partitioner: the partition ids :func:`_with_range_ids` wrote into ``column``."""
+
+    column: str
+
+    def __call__(self, frame: pd.DataFrame) -> np.ndarray:
+        return np.asarray(frame[self.column], dtype=np.int64)
+
+
 def _sort_partition(
-    frame: pd.DataFrame, by: list[Any], ascending: list[bool], na_position: str
+    frame: pd.DataFrame, by: list[Any], ascending: list[bool], na_position: str,
+    hidden: str | None = None,
 ) -> pd.DataFrame:
     """Task: sort one output partition (stable, so equal keys keep their input order)."""
+    if hidden is not None:
+        frame = frame.drop(columns=hidden)
     return frame.sort_values(by, ascending=ascending, na_position=na_position, kind="stable")
 
 
-def _set_index_partition(frame: pd.DataFrame, column: Any, drop: bool) -> pd.DataFrame:
+def _set_index_partition(
+    frame: pd.DataFrame, column: Any, drop: bool, hidden: str | None = None
+) -> pd.DataFrame:
     """Task: set and sort the index of one output partition (nulls last)."""
+    if hidden is not None:
+        frame = frame.drop(columns=hidden)
     return frame.set_index(column, drop=drop).sort_index(kind="stable", na_position="last")
