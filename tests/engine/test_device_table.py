@@ -131,3 +131,16 @@ def test_split_refuses_ids_outside_their_range(adapter: str, ids: np.ndarray, ma
     }[adapter]
     with pytest.raises(ValueError, match=match):
         ad.split(frame, ["k"], 5, ids=ids)
+
+
+def test_unpack_takes_a_host_runs_memoryview_piece() -> None:
+    # NumPy device tables take the host run, whose pieces reach extract as memoryviews.
+    from mpshuffle.table import PackedData
+
+    t = DeviceTable({"k": np.arange(10, dtype=np.int64), "x": np.linspace(0, 1, 10)})
+    for pid, piece in DeviceAdapter().split(t, ["k"], 3).items():
+        got = unpack_piece(PackedData(piece.metadata, memoryview(piece.data), piece.nrows))
+        want = unpack_piece(piece)
+        assert got.dtypes == want.dtypes, pid
+        for name in want.columns:
+            np.testing.assert_array_equal(got.columns[name], want.columns[name])

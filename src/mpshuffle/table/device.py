@@ -641,7 +641,8 @@ def _pack_rows(xp: Any, cols: list[Any], order: Any, r0: Any, block_start: Any, 
 def unpack_piece(piece: PackedData) -> DeviceTable:
     """Column views of one packed device piece (zero copy).
 
-    ``piece.data`` may be a CuPy or a NumPy ``uint8`` array (a spilled piece).
+    ``piece.data`` may be a CuPy or a NumPy ``uint8`` array (a spilled piece),
+    or a ``memoryview`` (a piece of a host run, which NumPy tables take).
 
     Raises
     ------
@@ -650,6 +651,8 @@ def unpack_piece(piece: PackedData) -> DeviceTable:
     """
     meta = _parse_metadata(piece.metadata)
     data = piece.data
+    if isinstance(data, memoryview):  # a host run's piece (NumPy tables take the host path)
+        data = np.frombuffer(data, dtype=np.uint8)
     dtypes = [np.dtype(d) for d in meta["dtypes"]]
     offs, _ = column_offsets(piece.nrows, dtypes)
     cols = {}
