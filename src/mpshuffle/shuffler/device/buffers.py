@@ -11,7 +11,9 @@ Spill files: one directory per run and rank,
 removed with everything in it when the run closes or fails. A received
 buffer is written piece by piece into one file per output partition (as the
 host path's postbox does), so an extract reads one file; an outbox buffer is
-written whole into ``outbox/``, to be read back for its exchange round.
+written whole into ``outbox/``, to be read back for its exchange round,
+unless all its rows stay on this rank (:func:`own_pieces`; always so on one
+rank): it is written piece by piece like a received buffer, which it becomes.
 
 The array helpers (:func:`empty_device`, :func:`to_device`, :func:`allocate`,
 :func:`cupy_module`) import CuPy only when called, so the run's logic can be
@@ -43,6 +45,7 @@ __all__ = [
     "device_ptr",
     "empty_device",
     "over",
+    "own_pieces",
     "spill_down",
     "to_device",
 ]
@@ -203,6 +206,20 @@ def outbox_ranges(
     return base, ranges, bytes(some.metadata)
 
 
+def own_pieces(out: Outgoing, rank: int) -> list[Piece] | None:
+    """The pieces of an outbox buffer whose rows all stay on ``rank``, offsets from the buffer's start.
+
+    ``None`` where some of its rows go to another rank. Such a buffer needs no
+    transfer: at the exchange it becomes this rank's received buffer with
+    these pieces, so it can spill as one (piece by piece, one file per
+    output partition) and is never read back for a round.
+    """
+    if set(out.ranges) != {rank}:
+        return None
+    start, _, pieces = out.ranges[rank]
+    return [(pid, off + start, nbytes, rows) for pid, off, nbytes, rows in pieces]
+
+
 def over(resource: BufferResource, memory_type: MemoryType) -> bool:
     """Whether ``resource``'s use of ``memory_type`` is past its budget."""
     available = resource.available(memory_type)
@@ -227,10 +244,11 @@ def spill_down(
     Parameters
     ----------
     entries
-        Buffers oldest first, each with its pieces (a received buffer, written
-        piece by piece into one file per output partition under ``spill_in``)
-        or ``None`` (an outbox buffer, written whole under ``spill_out`` with
-        the next key of ``outbox_keys``).
+        Buffers oldest first, each with its pieces (a received buffer, or an
+        outbox buffer whose rows all stay on this rank: written piece by
+        piece into one file per output partition under ``spill_in``) or
+        ``None`` (an outbox buffer with rows for peers, written whole under
+        ``spill_out`` with the next key of ``outbox_keys``).
     scope
         Makes the buffers' GPU current (for the device-to-host copies).
     count

@@ -27,7 +27,9 @@ for :class:`~mpshuffle.table.device.DeviceTable` partitions with CuPy columns.
   headers; one where a rank is over its budget). Received buffers are
   accounted as ``DEVICE`` and spilled to host (and on to disk) past the
   budgets after each round, so the device holds about the budget plus one
-  round. An outbox buffer on disk is read back to host for its round. After
+  round. An outbox buffer on disk is read back to host for its round, unless
+  all its rows stay on this rank (always so on one rank): such a buffer is
+  written to disk piece by piece as a received one is, and stays there. After
   the last round, where nothing was spilled and the budget leaves room, the
   rank *consolidates*: one batched-copy kernel gathers every owned output
   partition's rows into one packed piece (ordered by input partition, then
@@ -254,7 +256,7 @@ class DeviceRun(Run):
         with self._lock:
             # Oldest first: the outbox in insert order, then received buffers.
             entries: list[tuple[DeviceBuffer, list[Piece] | None]] = [
-                (o.buffer, None) for o in self._outbox if o.buffer is not None
+                (o.buffer, buffers.own_pieces(o, self.comm.rank)) for o in self._outbox if o.buffer is not None
             ]
             entries += [(i.buffer, i.pieces) for i in self._incoming]
         buffers.spill_down(
@@ -386,10 +388,12 @@ class DeviceRun(Run):
             for k in range(first, min(first + per_round, nslots)):
                 out = outbox[k] if k < len(outbox) else None
                 if out is not None and out.buffer is not None:
-                    self._load(out.buffer)
+                    if buffers.own_pieces(out, rank) is None:
+                        # Rows for peers: a buffer on disk comes back for its round. One
+                        # whose rows all stay here went to disk as received pieces do.
+                        self._load(out.buffer)
                     data = out.buffer.data
                     for dest, (start, end, pieces) in out.ranges.items():
-                        part = data[start:end]
                         if dest == rank:
                             # This rank's range stays where it is: the outbox buffer
                             # (and its accounting) becomes a received buffer, its
@@ -398,6 +402,7 @@ class DeviceRun(Run):
                             own = [(pid, off + start, nbytes, rows) for pid, off, nbytes, rows in pieces]
                             got.append(Incoming(out.input_index, rank, out.buffer, own, out.meta))
                         else:
+                            part = data[start:end]
                             sends.setdefault(dest, []).append(part if out.buffer.on_device else buffers.to_device(part))
                             self.statistics["bytes_sent"] += end - start
                 for src, header in headers.items():
