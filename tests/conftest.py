@@ -13,6 +13,23 @@ from distributed import Client, LocalCluster
 from mpshuffle.comm import LocalCommunicator
 
 
+@pytest.fixture(autouse=True)
+def _restore_mpshuffle_config() -> Iterator[None]:
+    """``bootstrap_dask_cluster(client, **options)`` sets its options into this
+    process's dask.config for good (as the user's next graphs must see them):
+    each test starts from the configuration it found."""
+    import copy
+
+    import dask.config
+
+    saved = copy.deepcopy(dask.config.config.get("mpshuffle"))
+    yield
+    if saved is None:
+        dask.config.config.pop("mpshuffle", None)
+    else:
+        dask.config.config["mpshuffle"] = saved
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """A LocalCluster of 2 worker processes × 1 thread, shared by a test module."""

@@ -3,21 +3,30 @@
 The defaults are :class:`~mpshuffle.options.Options`'s, registered with
 :mod:`dask.config` on import, so Dask also fills the options from
 ``DASK_MPSHUFFLE__<NAME>`` environment variables and user YAML files.
-Keyword arguments of :func:`mpshuffle.dask.bootstrap_dask_cluster` override
-them. Options are resolved on the client and sent to the workers with the
-bootstrap.
+Keyword arguments of :func:`mpshuffle.dask.bootstrap_dask_cluster` are set
+into this configuration, so both say the same thing through one path.
+
+Where an option is decided (the one rule, docs/architecture.md "Options"):
+every option is the client's, resolved where a shuffle's graph is built
+(:func:`resolve_options`) and carried in the graph; only the options that
+name something on a worker's own machine (:data:`~mpshuffle.options.WORKER_OPTIONS`),
+when the client leaves them unset, are read from that worker's own
+configuration (:func:`with_worker_config`) as it joins a generation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import dask.config
 
 from mpshuffle.errors import OptionError
-from mpshuffle.options import Options
+from mpshuffle.options import WORKER_OPTIONS, Options
 
-__all__ = ["DEFAULT_MAX_NPARTITIONS", "Options", "max_npartitions", "resolve_options"]
+__all__ = [
+    "DEFAULT_MAX_NPARTITIONS", "Options", "max_npartitions", "resolve_options", "set_options", "with_worker_config",
+]
 
 # Default of ``mpshuffle.max-npartitions``. Every output partition is an
 # extract task that Dask's scheduler places, pins and tracks: at its
@@ -33,18 +42,23 @@ DEFAULT_MAX_NPARTITIONS = 100_000
 dask.config.update_defaults({"mpshuffle": Options().as_dict()})
 
 # Options whose value None means something (rather than "not given").
-_NONE_IS_A_VALUE = ("spill_dir", "pool_size")
+_NONE_IS_A_VALUE = ("spill_dir", "pool_size", "listen_interface", "port")
 
 
 def resolve_options(**overrides: Any) -> Options:
     """Resolve options: ``dask.config["mpshuffle"]`` updated by ``overrides``.
+
+    Called where a shuffle's graph is built (on the client), so the graph
+    carries the client's options; also on a worker for its own
+    :data:`~mpshuffle.options.WORKER_OPTIONS` (:func:`with_worker_config`).
 
     Parameters
     ----------
     **overrides
         Option values that take precedence over the configuration. Names use
         underscores (``spill_host``); ``None`` values are ignored, except for
-        ``spill_dir`` and ``pool_size``, where ``None`` is a value.
+        ``spill_dir``, ``pool_size``, ``listen_interface`` and ``port``,
+        where ``None`` is a value.
 
     Returns
     -------
@@ -83,6 +97,76 @@ def resolve_options(**overrides: Any) -> Options:
 # Limits on the graphs that the client builds, read there (not generation
 # options: the workers never see them).
 _GRAPH_LIMITS = ("max_npartitions",)
+
+
+def set_options(**options: Any) -> Options:
+    """Set options into this process's ``dask.config`` (as ``dask.config.set`` does, for good) and resolve them.
+
+    What :func:`mpshuffle.dask.bootstrap_dask_cluster` does with its keyword
+    arguments, so that they and ``dask.config`` are one path: every graph
+    built afterwards in this process carries them.
+
+    Parameters
+    ----------
+    **options
+        As for :func:`resolve_options`.
+
+    Returns
+    -------
+    Options
+        The options now in force.
+
+    Raises
+    ------
+    OptionError
+        For an unknown option or an invalid value; nothing is set then.
+    """
+    resolved = resolve_options(**options)  # checks every value before anything is set
+    given = {
+        k.replace("-", "_") for k, v in options.items() if v is not None or k.replace("-", "_") in _NONE_IS_A_VALUE
+    }
+    if given:
+        dask.config.set({f"mpshuffle.{name}": getattr(resolved, name) for name in sorted(given)})
+    return resolved
+
+
+def with_worker_config(options: Options) -> Options:
+    """``options`` with each worker option the client left unset read from this process's ``dask.config``.
+
+    Called on a worker as it joins a generation: a spill directory, a
+    network interface or ports exist on the worker's machine, and ``None``
+    from the client leaves them to the worker's own configuration
+    (``DASK_MPSHUFFLE__SPILL_DIR`` in its environment, its YAML files).
+
+    Parameters
+    ----------
+    options
+        The generation's options, as the client resolved them.
+
+    Returns
+    -------
+    Options
+        The same options where the client set every worker option (or the
+        worker's configuration leaves them unset too), else a copy with the
+        worker's values.
+
+    Raises
+    ------
+    OptionError
+        If the worker's configuration holds an invalid value for one of them.
+    """
+    local = {}
+    for name in WORKER_OPTIONS:
+        if getattr(options, name) is None:
+            value = dask.config.get(f"mpshuffle.{name}", default=None)
+            if value is not None:
+                local[name] = value
+    if not local:
+        return options
+    try:
+        return dataclasses.replace(options, **local)
+    except OptionError as e:
+        raise OptionError(f"in this worker's own dask.config: {e}") from None
 
 
 

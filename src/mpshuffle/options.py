@@ -17,7 +17,7 @@ from typing import Any
 
 from mpshuffle.errors import OptionError
 
-__all__ = ["MAX_TIMEOUT", "Options", "parse_bytes"]
+__all__ = ["MAX_TIMEOUT", "RUN_OPTIONS", "WORKER_OPTIONS", "Options", "parse_bytes"]
 
 # Longest wait accepted, in seconds (a year): every wait must end, and waits
 # past threading.TIMEOUT_MAX overflow.
@@ -50,6 +50,21 @@ def parse_bytes(text: str) -> int:
     if not math.isfinite(size):  # "1e400"
         raise ValueError(f"not a size in bytes: {text!r}")
     return int(size)
+
+
+# Where each option is decided (docs/architecture.md, "Options"): every option
+# is the client's, resolved where the graph is built and carried in it,
+# except that the options naming something on a worker's own machine, when
+# the client leaves them unset (None), are read from that worker's config.
+#: Options of one run: each shuffle carries its own, so concurrent shuffles
+#: may differ in them without a new generation.
+RUN_OPTIONS = ("timeout", "batch_bytes")
+#: Options naming a place on the worker's machine (a directory, a network
+#: interface, ports): ``None`` on the client leaves them to each worker's
+#: own ``dask.config``.
+WORKER_OPTIONS = ("spill_dir", "listen_interface", "port")
+
+_PORT_RANGE = re.compile(r"^\s*(\d+)\s*[:-]\s*(\d+)\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +108,17 @@ class Options:
         memory (``/dev/shm``) instead of their socket (a ``bool``, or one of
         ``"true"``/``"false"``, ``"yes"``/``"no"``, ``"on"``/``"off"``,
         ``"1"``/``"0"`` as environment variables give it).
+    listen_interface
+        Network interface (e.g. ``"eth0"``, ``"ib0"``) whose IPv4 address
+        each rank's communicator listens on, or ``None`` for the host of the
+        worker's own address (as ``dask worker --interface`` chooses the
+        worker's).
+    port
+        Port of each rank's communicator: an ``int`` in ``[0, 65535]``, a
+        range ``"low:high"`` (inclusive; the first free port of it is taken,
+        so several workers of one host can share a range), or ``None``/``0``
+        for a free port the operating system picks (as ``dask worker
+        --worker-port`` takes a port or a range).
     preload_kernels
         Whether each worker loads the insert's compiled kernels (numba's
         cache, or a compile where it has none) on a thread of its own as soon
@@ -115,6 +141,8 @@ class Options:
     batch_bytes: int = 4 * 2**20
     shared_memory: bool = True
     preload_kernels: bool = True
+    listen_interface: str | None = None
+    port: int | str | None = None
 
     def __post_init__(self) -> None:
         spill_dir = self.spill_dir
@@ -130,6 +158,8 @@ class Options:
             "batch_bytes": _bytes("batch_bytes", self.batch_bytes),
             "shared_memory": _bool("shared_memory", self.shared_memory),
             "preload_kernels": _bool("preload_kernels", self.preload_kernels),
+            "listen_interface": _interface(self.listen_interface),
+            "port": _port(self.port),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
@@ -142,6 +172,23 @@ class Options:
     def as_dict(self) -> dict[str, Any]:
         """The options as a dict (what travels to the workers, and dask.config's defaults)."""
         return dataclasses.asdict(self)
+
+    def generation_options(self) -> dict[str, Any]:
+        """The options that a generation is made with: all but :data:`RUN_OPTIONS`.
+
+        Two graphs whose generation options are equal can run on one
+        generation; a graph with other ones makes a new generation.
+        """
+        return {k: v for k, v in self.as_dict().items() if k not in RUN_OPTIONS}
+
+    def port_range(self) -> tuple[int, int]:
+        """The ports a communicator may listen on, ``(low, high)`` inclusive; ``(0, 0)``: any free port."""
+        if self.port is None:
+            return (0, 0)
+        if isinstance(self.port, int):
+            return (self.port, self.port)
+        low, high = self.port.split(":")
+        return (int(low), int(high))
 
     def host_budget(self, memory_limit: int | None) -> int | None:
         """Host budget in bytes for a worker with ``memory_limit`` bytes.
@@ -208,6 +255,35 @@ def _bytes(name: str, value: Any) -> int:
     if n <= 0:
         raise OptionError(f"option {name!r} must be a positive number of bytes, got {value!r}")
     return n
+
+
+def _interface(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise OptionError(f"option 'listen_interface' must be a network interface name or None, got {value!r}")
+    return value.strip()
+
+
+def _port(value: Any) -> int | str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = _PORT_RANGE.match(value)
+        if m is not None:
+            low, high = int(m.group(1)), int(m.group(2))
+            if not 1 <= low <= high <= 65535:
+                raise OptionError(
+                    f"option 'port' must be a range low:high with 1 <= low <= high <= 65535, got {value!r}"
+                )
+            return f"{low}:{high}" if low != high else low
+        try:
+            value = int(value)
+        except ValueError:
+            raise OptionError(f"option 'port' must be a port, a range 'low:high' or None, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise OptionError(f"option 'port' must be a port in [0, 65535], a range 'low:high' or None, got {value!r}")
+    return value or None
 
 
 def _spill_host(value: Any) -> float | int:

@@ -90,7 +90,8 @@ def _fail_in_guard(timeout: bool) -> str:
     # A real run on the scheduler (no graph behind it), so that the guard's
     # question to the scheduler about it has an answer.
     run = plugin.get_run(
-        f"guard-test-{timeout}", 1, extract_name=f"guard-extract-{timeout}", barrier_name=f"guard-barrier-{timeout}"
+        f"guard-test-{timeout}", 1, options=ctx.options, extract_name=f"guard-extract-{timeout}",
+        barrier_name=f"guard-barrier-{timeout}",
     )
     assert isinstance(run, RunInfo) and run.generation == ctx.generation
     error = ShuffleTimeoutError("data did not arrive within 1 s") if timeout else ShuffleError("the run was released")

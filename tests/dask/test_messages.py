@@ -14,6 +14,7 @@ from mpshuffle.dask.messages import (
     Verdict,
 )
 from mpshuffle.dask.runtime import LocalRuntime, Runtime
+from mpshuffle.options import Options
 from mpshuffle.errors import ShuffleError
 
 
@@ -47,8 +48,8 @@ def test_a_message_with_other_fields_or_no_dict_is_refused() -> None:
 
 def test_the_local_runtime_binds_one_run_per_computation() -> None:
     runtime: Runtime = LocalRuntime()
-    run = runtime.get_run("tok", 3, extract_name="x", barrier_name="b")
-    assert runtime.get_run("tok", 3, extract_name="x", barrier_name="b") is run
+    run = runtime.get_run("tok", 3, options=Options(), extract_name="x", barrier_name="b")
+    assert runtime.get_run("tok", 3, options=Options(), extract_name="x", barrier_name="b") is run
     ctx = runtime.context_for(run)
     try:
         assert (run.generation, run.workers, run.npartitions) == ("local", ("local",), 3)
@@ -57,7 +58,7 @@ def test_the_local_runtime_binds_one_run_per_computation() -> None:
         ctx.shuffler(run.op_id).insert(0, {}, attempt="a")
         # An insert after the inputs are done starts a new computation, with a new run.
         ctx.shuffler(run.op_id).barrier(3, accepted=["a"])
-        again = runtime.get_run("tok", 3, extract_name="x", barrier_name="b", inserting=True)
+        again = runtime.get_run("tok", 3, options=Options(), extract_name="x", barrier_name="b", inserting=True)
         assert again.op_id != run.op_id and ctx.has_ended(run.op_id)
     finally:
         ctx.close()
@@ -66,7 +67,7 @@ def test_the_local_runtime_binds_one_run_per_computation() -> None:
 def test_a_failed_local_task_frees_its_run() -> None:
     """Dask's local schedulers stop at a task's error: the run is failed and forgotten, not left behind."""
     runtime = LocalRuntime()
-    run = runtime.get_run("tok", 2, inserting=True)
+    run = runtime.get_run("tok", 2, options=Options(), inserting=True)
     ctx = runtime.context_for(run)
     try:
         ctx.shuffler(run.op_id).insert(0, {}, attempt="a")
@@ -74,6 +75,6 @@ def test_a_failed_local_task_frees_its_run() -> None:
                 runtime.guard("insert", run, ctx):
             raise ShuffleError("key column 'x' cannot be hashed")
         assert ctx.shufflers == {} and ctx.has_ended(run.op_id)
-        assert runtime.get_run("tok", 2, inserting=True).op_id != run.op_id
+        assert runtime.get_run("tok", 2, options=Options(), inserting=True).op_id != run.op_id
     finally:
         ctx.close()

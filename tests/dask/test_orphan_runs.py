@@ -25,11 +25,13 @@ from distributed import Client
 
 from conftest import wait_for, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context
+from mpshuffle.options import Options
 
 
-async def _bind(dask_scheduler: Any, token: str) -> dict[str, Any]:
+async def _bind(dask_scheduler: Any, token: str, timeout: float = 300.0) -> dict[str, Any]:
+    # As a graph's first task binds it, with the graph's options.
     return await dask_scheduler.plugins["mpshuffle"].get_run(
-        token, 4, f"mpshuffle-extract-{token}", f"mpshuffle-barrier-{token}"
+        token, 4, f"mpshuffle-extract-{token}", f"mpshuffle-barrier-{token}", Options(timeout=timeout).as_dict()
     )
 
 
@@ -40,7 +42,7 @@ def _runs(dask_scheduler: Any) -> list[int]:
 def test_a_run_whose_graph_was_released_is_ended_on_every_rank_after_timeout(client: Client) -> None:
     timeout = 2.0
     bootstrap_dask_cluster(client, timeout=timeout)
-    op_id = client.run_on_scheduler(_bind, token="released-graph")["op_id"]
+    op_id = client.run_on_scheduler(_bind, token="released-graph", timeout=timeout)["op_id"]
     client.run(lambda dask_worker: get_worker_context(dask_worker).shuffler(op_id) and None)
     assert all(s["shufflers"] == [op_id] for s in client.run(worker_state).values())
     assert client.run_on_scheduler(_runs) == [op_id]
@@ -62,7 +64,7 @@ def _stale_binding(token: str, npartitions: int, dask_worker: Any = None) -> Non
 
     plugin = dask_worker.plugins["mpshuffle"]
     workers = get_worker_context(dask_worker).workers
-    plugin.runs[token] = RunInfo(token, 10**6, "closed-generation", workers, npartitions)
+    plugin.runs[token] = RunInfo(token, 10**6, "closed-generation", workers, npartitions, 300.0)
 
 
 def test_a_stale_binding_to_a_closed_generation_does_not_fail_the_next_computation(client: Client) -> None:

@@ -18,11 +18,12 @@ import pandas as pd
 from distributed import Client, wait
 
 from mpshuffle.dask import bootstrap_dask_cluster, shuffle
+from mpshuffle.options import Options
 from mpshuffle.table.hashing import partition_ids
 
 
 async def _bind_early(dask_scheduler: Any, token: str, n: int, extract_name: str, barrier_name: str) -> dict:
-    return await dask_scheduler.plugins["mpshuffle"].get_run(token, n, extract_name, barrier_name)
+    return await dask_scheduler.plugins["mpshuffle"].get_run(token, n, extract_name, barrier_name, Options().as_dict())
 
 
 def _extract_moves(dask_scheduler: Any, extract_name: str) -> list[tuple[str, str]]:

@@ -64,7 +64,7 @@ def local_runtime(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Lo
         runtime = LocalRuntime()
         monkeypatch.setattr(graph, "_LOCAL", runtime)
         yield runtime
-        runtime.context.close()
+        runtime.close()
 
 
 def test_local_shuffle_with_tiny_budget_spills_and_is_correct(local_runtime: LocalRuntime, tmp_path: Any) -> None:

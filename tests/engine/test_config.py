@@ -35,7 +35,7 @@ def test_shipped_defaults_are_registered_with_dask_config(clean_env: pytest.Monk
     assert opts == Options() == Options(
         timeout=300.0, bootstrap_timeout=30.0, spill_host=0.25, spill_dir=None,
         spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20, shared_memory=True,
-        preload_kernels=True,
+        preload_kernels=True, listen_interface=None, port=None,
     )
     # The defaults are written once, in Options: dask.config holds exactly them.
     assert dask.config.get("mpshuffle") == Options().as_dict()

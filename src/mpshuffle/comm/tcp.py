@@ -207,7 +207,7 @@ class TcpCommunicator(Communicator):
         *,
         generation: str,
         token: str,
-        listen_address: str = "tcp://127.0.0.1:0",
+        listen_address: str | Sequence[str] = "tcp://127.0.0.1:0",
         security: Any = None,
         shared_memory: bool = True,
         hello_timeout: float = 30.0,
@@ -218,7 +218,8 @@ class TcpCommunicator(Communicator):
         ----------
         listen_address
             Where to listen, e.g. ``"tcp://10.0.0.5:0"`` or ``"tls://host:0"``
-            (port 0 picks a free one).
+            (port 0 picks a free one), or several such addresses tried in
+            order until one can be bound (a range of ports).
         shared_memory
             See the class.
 
@@ -226,6 +227,12 @@ class TcpCommunicator(Communicator):
         -------
         TcpCommunicator
             The rank, with ``addresses[rank]`` set to its contact address.
+
+        Raises
+        ------
+        OSError
+            If no address of ``listen_address`` could be bound (naming the
+            last one tried and why).
         """
         self = cls(
             rank, nranks, generation=generation, token=token, security=security,
@@ -238,11 +245,19 @@ class TcpCommunicator(Communicator):
             raise
         return self
 
-    async def _listen(self, address: str) -> None:
+    async def _listen(self, address: str | Sequence[str]) -> None:
         kwargs = self._security.get_listen_args("worker") if self._security else {}
-        self._listener = await distributed.comm.listen(
-            address, self._handle_comm, deserialize=False, **kwargs
-        )
+        candidates = [address] if isinstance(address, str) else list(address)
+        for i, candidate in enumerate(candidates):
+            try:
+                self._listener = await distributed.comm.listen(
+                    candidate, self._handle_comm, deserialize=False, **kwargs
+                )
+                break
+            except OSError as e:  # in use: the next port of the range
+                if i + 1 == len(candidates):
+                    what = candidate if len(candidates) == 1 else f"any of {candidates[0]} .. {candidate}"
+                    raise OSError(e.errno, f"cannot listen on {what}: {e.strerror or e}") from None
         self._listener.on_connection = self._guarded_handshake(self._listener.on_connection)
         server = getattr(self._listener, "tcp_server", None)
         if server is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from mpshuffle.config import resolve_options
+from mpshuffle.config import set_options
 from mpshuffle.dask.messages import Generation
 from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
 from mpshuffle.dask.worker import PLUGIN_NAME, ShuffleWorkerPlugin
@@ -38,25 +38,30 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
     client
         The client; by default :func:`distributed.get_client`.
     **options
-        Overrides of the ``mpshuffle.*`` options of :mod:`dask.config`
-        (``comm``, ``timeout``, ``bootstrap_timeout``, ``spill_host``,
-        ``spill_dir``, ``spill_device``, ``pool_size``, ``batch_bytes``,
-        ``shared_memory``, ``preload_kernels``);
-        see :class:`mpshuffle.config.Options`. Resolved here, on the client.
+        ``mpshuffle.*`` options (``timeout``, ``bootstrap_timeout``,
+        ``spill_host``, ``spill_dir``, ``spill_device``, ``pool_size``,
+        ``batch_bytes``, ``shared_memory``, ``preload_kernels``,
+        ``listen_interface``, ``port``; see :class:`mpshuffle.options.Options`).
+        They are set into this process's :mod:`dask.config`, as
+        ``dask.config.set(...)`` outside a ``with`` block would, so every
+        shuffle graph built here afterwards carries them: keyword arguments
+        and ``dask.config`` are one path. The generation is bootstrapped with
+        the options then in force.
 
     Returns
     -------
     Generation
         The generation (id, nranks, worker -> rank). Idempotent: for the same
-        scheduler, workers and options the same generation is returned with
-        ``bootstrapped=False``; a changed worker set or options bootstrap a
-        new one.
+        scheduler, workers and generation options (all but ``timeout`` and
+        ``batch_bytes``, which each run carries) the same generation is
+        returned with ``bootstrapped=False``; a changed worker set or
+        generation options bootstrap a new one.
 
     Raises
     ------
     OptionError
-        For unknown option names or invalid values, and for ``comm`` other
-        than ``'tcp'`` (``'local'`` cannot connect worker processes).
+        For unknown option names (``comm`` among them: the communicator
+        follows from the cluster) or invalid values; nothing is set then.
     BootstrapError
         If the cluster has no workers or a worker failed or timed out; the
         message names the workers and ranks.
@@ -65,7 +70,7 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
         from distributed import get_client
 
         client = get_client()
-    opts = resolve_options(**options)
+    opts = set_options(**options)
     return client.sync(_bootstrap, client, dataclasses.asdict(opts))
 
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dask
 import dask.dataframe as dd
 from dask.base import tokenize
 
+from mpshuffle.config import resolve_options
 from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.graph import check_npartitions, shuffle_graph
+
+if TYPE_CHECKING:
+    from mpshuffle.options import Options
 
 __all__ = ["shuffle"]
 
@@ -83,7 +87,8 @@ def shuffle(
             "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
             "or the 'threads' or 'sync' scheduler"
         )
-    _warm_up()
+    options = resolve_options()  # the run's options: the client's, decided here
+    _warm_up(options)
     df = df.optimize()
     meta = df._meta
     keep_index = not ignore_index
@@ -91,9 +96,10 @@ def shuffle(
         meta = meta.reset_index(drop=True)
     graph = dict(df.__dask_graph__())
     input_keys = _skip_aliases(graph, df.__dask_keys__())
-    token = tokenize(df._name, on, npartitions, keep_index)
+    token = tokenize(df._name, on, npartitions, keep_index, options.as_dict())
     layer, keys = shuffle_graph(
-        input_keys, on=on, npartitions=npartitions, meta=meta, keep_index=keep_index, token=token
+        input_keys, on=on, npartitions=npartitions, meta=meta, keep_index=keep_index, token=token,
+        options=options,
     )
     graph.update(layer)
     return _collection(graph, meta, npartitions, keys)
@@ -189,8 +195,11 @@ def _skip_aliases(graph: dict[Any, Any], keys: list[Any]) -> list[Any]:
     return resolved
 
 
-def _warm_up() -> None:
-    """Bootstrap early with a synchronous default client; the tasks do it otherwise."""
+def _warm_up(options: Options) -> None:
+    """Bootstrap a generation for the graph's ``options`` early, with a synchronous default client.
+
+    The graph's first task would do it otherwise, while its inputs wait.
+    """
     try:
         from distributed import default_client
 
@@ -199,20 +208,12 @@ def _warm_up() -> None:
         return
     if client.asynchronous or client.status != "running":
         return
-    import dataclasses
-
-    from mpshuffle.config import resolve_options
     from mpshuffle.dask.bootstrap import register_plugins
     from mpshuffle.errors import BootstrapError
 
-    options = resolve_options()
     register_plugins(client)
-    # Options resolved here only seed the first generation: options the user
-    # bootstrapped with (spill_host=...) must be kept, also for a generation
-    # bootstrapped after the last one was retired (a worker left, a rank timed
-    # out), not replaced by the dask.config defaults.
     try:
-        client.run_on_scheduler(_warm_up_generation, options=dataclasses.asdict(options))
+        client.run_on_scheduler(_warm_up_generation, options=options.as_dict())
     except BootstrapError:
         # No workers yet (an adaptive cluster) or one that does not answer:
         # building the graph must not fail for it. The first task bootstraps,
@@ -224,6 +225,6 @@ async def _warm_up_generation(options: dict[str, Any], dask_scheduler: Any = Non
     from mpshuffle.dask.scheduler import ShuffleSchedulerPlugin
 
     plugin = dask_scheduler.plugins[ShuffleSchedulerPlugin.name]
-    return await plugin.ensure_generation(options, seed=True)
+    return await plugin.ensure_generation(options)
 
 

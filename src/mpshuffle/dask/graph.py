@@ -29,8 +29,10 @@ from dask.base import tokenize
 from mpshuffle.config import max_npartitions, resolve_options
 from mpshuffle.dask.runtime import LocalRuntime, RunInfo, Runtime
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
+from mpshuffle.options import Options
 from mpshuffle.shuffler.context import WorkerContext
 from mpshuffle.shuffler.device import is_device_meta
+from mpshuffle.shuffler.run import Run
 from mpshuffle.table import FrameAdapter, PandasAdapter, get_adapter
 from mpshuffle.table.base import check_columns, check_ids
 from mpshuffle.table.device import DeviceTable
@@ -70,6 +72,11 @@ class ShuffleSpec:
         ``"raise"`` (a column that does not fit the meta's dtype is an error)
         or ``"keep"`` (it keeps the data's dtype, as in Dask's own shuffles;
         pandas frames).
+    options
+        The run's options, resolved where the graph was built (the client's
+        ``dask.config``): the scheduler and the workers read them from here,
+        never from their own configuration (but for the worker options the
+        client left unset, see :func:`mpshuffle.config.with_worker_config`).
     """
 
     token: str
@@ -83,6 +90,7 @@ class ShuffleSpec:
     partitioner: Any = None
     device: bool = False
     on_lossy_cast: str = "raise"
+    options: Options = dataclasses.field(default_factory=Options)
 
     def __dask_tokenize__(self) -> tuple[Any, ...]:
         # Every task carries the spec; its token already names the shuffle.
@@ -128,6 +136,7 @@ def shuffle_graph(
     token: str | None = None,
     partitioner: Any = None,
     on_lossy_cast: str = "raise",
+    options: Options | None = None,
 ) -> tuple[dict[Any, Any], list[Any]]:
     """Build the tasks of a shuffle over a collection of frames.
 
@@ -146,7 +155,9 @@ def shuffle_graph(
     name
         Prefix of the task keys.
     token
-        Token for the keys; by default one from the arguments.
+        Token for the keys; by default one from the arguments (the options
+        included). A token given here is used as it is, so it must already
+        tell apart graphs that differ in their options.
     partitioner
         Optional picklable callable mapping an input frame to the ``int64``
         output partition id of each row (shape ``(n,)``, values in
@@ -155,6 +166,10 @@ def shuffle_graph(
         What an extract does with a column whose values do not fit the
         meta's dtype: ``"raise"`` an error, or ``"keep"`` the data's dtype
         (pandas frames; what Dask's own shuffles do).
+    options
+        The run's :class:`~mpshuffle.options.Options`; by default resolved
+        here from this process's ``dask.config`` (call this where the graph
+        is built, on the client, or pass the client's options).
 
     Returns
     -------
@@ -185,11 +200,10 @@ def shuffle_graph(
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
     npartitions = check_npartitions(npartitions)
-    # The mpshuffle.* options in dask.config, checked where the graph is
-    # built: the workers read them only to bootstrap a generation, which an
-    # existing one makes unnecessary, so a typo or a bad value would pass
-    # unseen on every later graph.
-    resolve_options()
+    # Decided once, here, and carried by every task (ShuffleSpec.options):
+    # the scheduler and the workers never read their own dask.config for a run.
+    if options is None:
+        options = resolve_options()
     if on_lossy_cast not in ("raise", "keep"):
         raise ValueError(f"on_lossy_cast must be 'raise' or 'keep', got {on_lossy_cast!r}")
     device = is_device_meta(meta)
@@ -202,7 +216,7 @@ def shuffle_graph(
             )
     get_adapter(meta)  # raises TypeError for unsupported frame types
     input_keys = list(input_keys)
-    token = token or tokenize(input_keys, on, npartitions, keep_index, name, partitioner)
+    token = token or tokenize(input_keys, on, npartitions, keep_index, name, partitioner, options.as_dict())
     spec = ShuffleSpec(
         token=token,
         on=on,
@@ -215,6 +229,7 @@ def shuffle_graph(
         partitioner=partitioner,
         device=device,
         on_lossy_cast=on_lossy_cast,
+        options=options,
     )
     graph: dict[Any, Any] = {}
     insert_keys = []
@@ -243,7 +258,7 @@ class Inserted:
     attempt: str
 
 
-def _runtime() -> Runtime:
+def _runtime(spec: ShuffleSpec) -> Runtime:
     """The worker plugin on a distributed worker, else the local runtime."""
     try:
         from distributed import get_worker
@@ -270,7 +285,7 @@ def _runtime() -> Runtime:
         # task on another worker, the client building the graph) got there
         # first, while that one's broadcast may not have reached this worker
         # yet: wait for it to arrive.
-        waited = resolve_options().bootstrap_timeout
+        waited = spec.options.bootstrap_timeout
         deadline = time.monotonic() + waited
         while PLUGIN_NAME not in worker.plugins:
             if time.monotonic() > deadline:
@@ -284,12 +299,19 @@ def _runtime() -> Runtime:
 
 
 def _bind(spec: ShuffleSpec, inserting: bool = False) -> tuple[RunInfo, WorkerContext, Runtime]:
-    runtime = _runtime()
+    runtime = _runtime(spec)
     run = runtime.get_run(
-        spec.token, spec.npartitions, extract_name=spec.extract_name, barrier_name=spec.barrier_name,
-        inserting=inserting,
+        spec.token, spec.npartitions, options=spec.options, extract_name=spec.extract_name,
+        barrier_name=spec.barrier_name, inserting=inserting,
     )
     return run, runtime.context_for(run), runtime
+
+
+def _run_of(ctx: WorkerContext, run: RunInfo, spec: ShuffleSpec) -> Run:
+    """This rank's share of ``run``, with the run's own options from the graph."""
+    return ctx.shuffler(
+        run.op_id, device=spec.device, timeout=spec.options.timeout, batch_bytes=spec.options.batch_bytes
+    )
 
 
 def _where(ctx: WorkerContext) -> str:
@@ -316,7 +338,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> Inserted:
         )
         adapter = _with_index(adapter, spec)
         ids = None if spec.partitioner is None else _partitioner_ids(adapter, frame, spec)
-        ctx.shuffler(run.op_id, device=spec.device).insert_frame(
+        _run_of(ctx, run, spec).insert_frame(
             input_index, frame, adapter, spec.on, spec.npartitions, ids, attempt=attempt
         )
     return Inserted(run.op_id, run.generation, attempt)
@@ -355,13 +377,13 @@ def barrier(spec: ShuffleSpec, *inserted: Inserted) -> RunInfo:
         raise ShuffleError(f"barrier phase: shuffle {spec.token}: {reason}")
     with runtime.guard("barrier", run, ctx):
         accepted = [r.attempt for r in inserted]
-        ctx.shuffler(run.op_id, device=spec.device).barrier(spec.npartitions, accepted=accepted)
+        _run_of(ctx, run, spec).barrier(spec.npartitions, accepted=accepted)
     return run
 
 
 def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec) -> Any:
     """Task: wait for output partition ``partition_id`` of ``run`` and return it as a frame."""
-    runtime = _runtime()
+    runtime = _runtime(spec)
     # Pinned by the scheduler plugin; a task that lands elsewhere moves.
     runtime.check_owner(run, partition_id)
     with phase("extract"):
@@ -369,7 +391,7 @@ def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec) -> Any:
     adapter = _with_index(get_adapter(spec.meta), spec)
     try:
         with runtime.guard("extract", run, ctx):
-            shuffler = ctx.shuffler(run.op_id, device=spec.device)
+            shuffler = _run_of(ctx, run, spec)
             pieces = shuffler.extract(partition_id)
     except PartitionGoneError as e:
         # Dask computes this partition again while the barrier's result is

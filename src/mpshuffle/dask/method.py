@@ -163,14 +163,18 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         tests expect the methods other than ``tasks`` to keep it (as ``p2p``
         and ``disk`` do).
     options
-        Accepted for Dask's signature; mpshuffle's options are its
-        ``mpshuffle.*`` configuration.
+        Accepted for Dask's signature (Dask's own shuffle options).
     original_partitioning_index
         The keys Dask hashed into ``_partitions`` (tells later merges the
         output is partitioned on them).
     _partitions
         The output partitions to compute (Dask's ``df.partitions[...]``), or
         ``None`` for all.
+    mpshuffle_options
+        mpshuffle's options as a dict, resolved from the client's
+        ``dask.config`` where Dask lowers the expression (on the client,
+        before the graph goes to the scheduler, which builds the tasks);
+        part of the shuffle's token.
 
     Notes
     -----
@@ -193,12 +197,14 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         "options",
         "original_partitioning_index",
         "_partitions",
+        "mpshuffle_options",
     ]
     _defaults = {  # noqa: RUF012
         "ignore_index": False,
         "options": None,
         "original_partitioning_index": None,
         "_partitions": None,
+        "mpshuffle_options": None,
     }
 
     def __str__(self) -> str:
@@ -208,9 +214,10 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     def _shuffle_token(self) -> str:
         from dask.base import tokenize
 
-        # The shuffle itself, whichever of its outputs this expression keeps.
+        # The shuffle itself, whichever of its outputs this expression keeps
+        # (every operand but _partitions), its options included.
         return tokenize(
-            self.frame._name, *[self.operand(p) for p in self._parameters[1:-1]]
+            self.frame._name, *[self.operand(p) for p in self._parameters[1:] if p != "_partitions"]
         )
 
     @functools.cached_property
@@ -230,6 +237,13 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
 
     def _layer(self) -> dict[Any, Any]:
         from mpshuffle.dask.graph import shuffle_graph
+        from mpshuffle.options import Options
+
+        # Built where Dask materializes the graph (the scheduler, since dask
+        # 2025.3): the options come from the expression, resolved on the
+        # client by _lower, never from this process's configuration.
+        chosen = self.operand("mpshuffle_options")
+        options = Options(**chosen) if chosen is not None else None
 
         on = list(self._partitioning_index)
         partitioner = _ColumnIds(_PARTITIONS) if on == [_PARTITIONS] else None
@@ -244,6 +258,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
             token=self._shuffle_token,
             partitioner=partitioner,
             on_lossy_cast="keep",
+            options=options,
         )
         if not self._filtered:
             return graph
@@ -300,6 +315,8 @@ def install() -> None:
         if _resolved(self.method) != METHOD:
             return original_lower(self)
         check_dask_version()
+        from mpshuffle.config import resolve_options
+
         return MPShuffle(
             self.frame,
             self.partitioning_index,
@@ -307,6 +324,8 @@ def install() -> None:
             self.ignore_index,
             self.options,
             self.original_partitioning_index,
+            None,
+            resolve_options().as_dict(),  # the client's, decided here (see MPShuffle)
         )
 
     def is_broadcast_join(self: Any) -> bool:

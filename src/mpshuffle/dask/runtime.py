@@ -21,10 +21,13 @@ import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mpshuffle.errors import phase
 from mpshuffle.shuffler.context import WorkerContext
+
+if TYPE_CHECKING:
+    from mpshuffle.options import Options
 
 __all__ = ["LocalRuntime", "RunInfo", "Runtime"]
 
@@ -45,6 +48,8 @@ class RunInfo:
         Worker address of every rank of that generation, in rank order.
     npartitions
         Number of output partitions.
+    timeout
+        The run's ``timeout`` option (seconds), from the graph's spec.
     """
 
     token: str
@@ -52,6 +57,7 @@ class RunInfo:
     generation: str
     workers: tuple[str, ...]
     npartitions: int
+    timeout: float
 
 
 class Runtime(Protocol):
@@ -61,10 +67,14 @@ class Runtime(Protocol):
     """
 
     def get_run(
-        self, token: str, npartitions: int, *, extract_name: str, barrier_name: str, inserting: bool = False
+        self, token: str, npartitions: int, *, options: Options, extract_name: str, barrier_name: str,
+        inserting: bool = False,
     ) -> RunInfo:
         """The run of graph ``token`` (its output has ``npartitions`` partitions), made on first call.
 
+        ``options`` are the graph's (resolved where it was built): the run
+        is bound to a generation made with its generation options
+        (:meth:`~mpshuffle.options.Options.generation_options`).
         ``extract_name`` and ``barrier_name`` name the graph's tasks (to pin
         them); ``inserting`` says an insert task asks (a finished computation
         of the graph then starts a new run, where the runtime decides so).
@@ -125,31 +135,57 @@ class LocalRuntime:
 
     With Dask's synchronous or threaded scheduler, every task runs in this
     process: the runtime holds one :class:`WorkerContext` on the ``local``
-    communicator, created on first use, and binds runs to it. Implements
-    :class:`Runtime`.
+    communicator per set of generation options its graphs asked for
+    (usually one), created on first use, and binds runs to it. An idle
+    context whose options no graph asks for any more is closed when another
+    one is made. Implements :class:`Runtime`.
     """
 
     def __init__(self) -> None:
-        self._context: WorkerContext | None = None
+        self._contexts: dict[str, WorkerContext] = {}
         self._runs: dict[str, RunInfo] = {}
         self._ops = itertools.count(1)
+        self._generations = itertools.count()
         self._lock = threading.Lock()
 
     @property
     def context(self) -> WorkerContext:
-        """The process's context (created with the options of ``dask.config``)."""
+        """The newest context (made with the shipped defaults if no graph has run yet)."""
         with self._lock:
-            if self._context is None:
-                from mpshuffle.comm.local import LocalCommunicator
-                from mpshuffle.config import resolve_options
+            if not self._contexts:
+                from mpshuffle.options import Options
 
-                options = resolve_options()
-                self._context = WorkerContext(LocalCommunicator(), "local", options, workers=("local",))
-            return self._context
+                return self._context_locked(Options())
+            return next(reversed(self._contexts.values()))
+
+    def _context_locked(self, options: Options) -> WorkerContext:
+        key = repr(sorted(options.generation_options().items()))
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            from mpshuffle.comm.local import LocalCommunicator
+
+            for other, old in list(self._contexts.items()):
+                if not old.shufflers:  # idle: nothing of it is still needed
+                    del self._contexts[other]
+                    old.close()
+            n = next(self._generations)
+            generation = f"local-{n}" if n else "local"
+            ctx = WorkerContext(LocalCommunicator(), generation, options, workers=("local",))
+            self._contexts[key] = ctx
+        return ctx
+
+    def close(self) -> None:
+        """Close every context of this process (their runs fail)."""
+        with self._lock:
+            contexts = list(self._contexts.values())
+            self._contexts.clear()
+            self._runs.clear()
+        for ctx in contexts:
+            ctx.close()
 
     def get_run(
-        self, token: str, npartitions: int, *, extract_name: str = "", barrier_name: str = "",
-        inserting: bool = False,
+        self, token: str, npartitions: int, *, options: Options, extract_name: str = "",
+        barrier_name: str = "", inserting: bool = False,
     ) -> RunInfo:
         """The active run of graph ``token``, or a new one.
 
@@ -158,21 +194,33 @@ class LocalRuntime:
         partitions): the old run is freed and a new one begins. The task
         names are not needed: one process runs every task.
         """
-        ctx = self.context
         with self._lock:
+            ctx = self._context_locked(options)
             run = self._runs.get(token)
-            if run is not None and not ctx.has_ended(run.op_id):
+            if run is not None and not ctx.has_ended(run.op_id) and run.generation == ctx.generation:
                 old = ctx.shufflers.get(run.op_id)
                 if not (inserting and old is not None and old.inputs_done):
                     return run
                 ctx.end_run(run.op_id)
-            run = RunInfo(token, next(self._ops), "local", ("local",), npartitions)
+            run = RunInfo(token, next(self._ops), ctx.generation, ("local",), npartitions, options.timeout)
             self._runs[token] = run
             return run
 
     def context_for(self, run: RunInfo) -> WorkerContext:
-        """The process's one context."""
-        return self.context
+        """The process's context of ``run``'s generation.
+
+        Raises
+        ------
+        ShuffleError
+            If that context was closed (no run of it was active when another was made).
+        """
+        with self._lock:
+            for ctx in self._contexts.values():
+                if ctx.generation == run.generation:
+                    return ctx
+        from mpshuffle.errors import ShuffleError
+
+        raise ShuffleError(f"shuffle op {run.op_id}: its local generation {run.generation} was closed")
 
     @contextlib.contextmanager
     def guard(self, name: str, run: RunInfo, ctx: WorkerContext) -> Iterator[None]:

@@ -11,8 +11,11 @@ It is the one owner of the cluster-wide state of mpshuffle:
   on its workers (threads, sockets, buffers) once its last run ended, so a
   worker that joins during a shuffle never disturbs it;
 * the *runs*: the first task of a shuffle graph to execute asks
-  ``mpshuffle_get_run``, which binds the graph's token to the current
-  generation under a fresh ``op_id``, restricts the graph's insert and
+  ``mpshuffle_get_run`` with the graph's options (resolved on the client
+  where the graph was built; this plugin never reads the scheduler's own
+  ``dask.config`` for them), which binds the graph's token to the current
+  generation under a fresh ``op_id`` (a new generation if the graph's
+  generation options differ from the current one's), restricts the graph's insert and
   barrier tasks to the generation's workers and pins every extract task to
   the worker of the rank owning its output partition, with
   :meth:`distributed.Scheduler.set_restrictions` (Dask's DataFrame
@@ -44,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from mpshuffle.config import Options, resolve_options
 from mpshuffle.dask.messages import (
     BootstrapSpec,
     Generation,
@@ -55,6 +57,7 @@ from mpshuffle.dask.messages import (
 )
 from mpshuffle.dask.watchdog import RankWatch
 from mpshuffle.errors import BootstrapError, OptionError
+from mpshuffle.options import Options
 from mpshuffle.table import partition_owner
 
 if TYPE_CHECKING:
@@ -105,6 +108,7 @@ class _Run:
     insert_keys: list[Any]
     extract_keys: list[Any]
     barrier_key: str
+    timeout: float = Options.timeout
     error: str | None = None
     restarted: bool = False
     ended: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
@@ -146,7 +150,6 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         self._roots: dict[str, str] = {}
         self._root_events: dict[str, asyncio.Event] = {}
         self._lock: asyncio.Lock | None = None
-        self._options: Options | None = None
         self.bootstraps = 0
 
     async def start(self, scheduler: Scheduler) -> None:
@@ -174,9 +177,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 self.scheduler.handlers.pop(name, None)
 
     # -- generations -----------------------------------------------------
-    async def ensure_generation(
-        self, options: dict[str, Any] | None = None, *, seed: bool = False
-    ) -> dict[str, Any]:
+    async def ensure_generation(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bootstrap a generation on the current workers unless the current one matches.
 
         Calls are serialized (an :class:`asyncio.Lock`), so clients that
@@ -185,14 +186,10 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         Parameters
         ----------
         options
-            Resolved :class:`~mpshuffle.config.Options` as a dict, or ``None``
-            for the options chosen last (by the last explicit bootstrap; the
-            scheduler's ``dask.config`` before any).
-        seed
-            ``options`` only stand in until some are chosen: once a bootstrap
-            chose options, they are kept. Shuffles that bootstrap for the user
-            pass their ``dask.config`` this way, so a generation retired after
-            a fault comes back with the user's options, not the defaults.
+            :class:`~mpshuffle.options.Options` as a dict, resolved on the
+            client. The current generation matches if it has the same
+            workers and the same generation options
+            (:meth:`~mpshuffle.options.Options.generation_options`).
 
         Returns
         -------
@@ -207,25 +204,22 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         """
         assert self.scheduler is not None and self._lock is not None
         async with self._lock:
-            if seed and self._options is not None:
-                options = None
             return await self._ensure_generation(options)
 
-    async def _ensure_generation(self, options: dict[str, Any] | None) -> dict[str, Any]:
+    async def _ensure_generation(self, options: dict[str, Any]) -> dict[str, Any]:
         assert self.scheduler is not None
         workers = tuple(sorted(self.scheduler.workers))
         if not workers:
             raise BootstrapError("cannot bootstrap mpshuffle: the cluster has no workers")
         gen = self.generation
-        # Options outlive a generation dropped because a worker left or a rank
-        # stopped answering: the next one is bootstrapped with the same.
         try:
-            # The scheduler's dask.config may hold a bad value (read here when
-            # the first task bootstraps, without a client-side check).
-            opts = Options(**options) if options is not None else (self._options or resolve_options())
-        except OptionError as e:
-            raise BootstrapError(str(e)) from None
-        if gen is not None and not gen.stale and gen.workers == workers and gen.options == opts:
+            opts = Options(**options)  # checked on the client already; a message may be anything
+        except (OptionError, TypeError) as e:
+            raise BootstrapError(f"options of the graph: {e}") from None
+        if (
+            gen is not None and not gen.stale and gen.workers == workers
+            and gen.options.generation_options() == opts.generation_options()
+        ):
             return gen.describe(bootstrapped=False)
         new = _Generation(id=uuid.uuid4().hex[:12], workers=workers, token=secrets.token_hex(16), options=opts)
         self._root_events[new.id] = asyncio.Event()
@@ -245,7 +239,6 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             detail = "; ".join(f"rank {workers.index(w)} (worker {w}): {e}" for w, e in sorted(failed.items()))
             raise BootstrapError(f"bootstrap of generation {new.id} on {len(workers)} workers failed: {detail}")
         old, self.generation = self.generation, new
-        self._options = opts
         if old is not None:
             old.stale = True
             self._maybe_close(old)
@@ -310,7 +303,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 continue
             if run.orphaned_since is None:
                 run.orphaned_since = now
-            elif now - run.orphaned_since > run.generation.options.timeout:
+            elif now - run.orphaned_since > run.timeout:
                 logger.info(
                     "mpshuffle: ending shuffle op %d: its graph was released %.1f s ago", run.op_id,
                     now - run.orphaned_since,
@@ -342,11 +335,16 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         return self._roots[generation]
 
     # -- runs ------------------------------------------------------------
-    async def get_run(self, token: str, npartitions: int, extract_name: str, barrier_name: str) -> dict[str, Any]:
+    async def get_run(
+        self, token: str, npartitions: int, extract_name: str, barrier_name: str, options: dict[str, Any]
+    ) -> dict[str, Any]:
         """Handler: the run of graph ``token`` (a :class:`RunBinding` message), created (and pinned) on first call.
 
-        Binds the graph to the current generation (bootstrapping a new one if
-        the workers changed) under a fresh ``op_id``; restricts the graph's
+        ``options`` are the graph's (:class:`~mpshuffle.options.Options` as a
+        dict, resolved on the client where the graph was built). Binds the
+        graph to the current generation (bootstrapping a new one if the
+        workers changed or the graph's generation options differ) under a
+        fresh ``op_id``, with the graph's ``timeout``; restricts the graph's
         pending insert and barrier tasks to the generation's workers and pins
         each extract task to the worker owning its output partition.
         """
@@ -358,7 +356,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                     return RunBinding(-1, "", (), error=run.error).to_msg()
                 return self._describe(run)
             try:
-                await self._ensure_generation(None)
+                await self._ensure_generation(options)
             except BootstrapError as e:
                 return RunBinding(-1, "", (), error=f"bootstrap phase: {e}").to_msg()
             gen = self.generation
@@ -367,7 +365,10 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             barrier_ts = tasks.get(barrier_name)
             insert_keys = [dts.key for dts in barrier_ts.dependencies] if barrier_ts is not None else []
             keys = [(extract_name, j) for j in range(npartitions)]
-            run = _Run(token, next(self._ops), gen, npartitions, insert_keys, keys, barrier_name)
+            run = _Run(
+                token, next(self._ops), gen, npartitions, insert_keys, keys, barrier_name,
+                timeout=Options(**options).timeout,
+            )
             self.runs[token] = run
             self._by_op[run.op_id] = run
             while len(self._by_op) > _ENDED_RUNS:
@@ -449,7 +450,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         self._maybe_close(gen)
 
     async def _fail_for_link(self, run: _Run, error: str) -> None:
-        await self._await_verdict(run, run.generation.options.timeout)
+        await self._await_verdict(run, run.timeout)
         if run.restarted or run.error is not None or self.runs.get(run.token) is not run:
             return  # restarted, failed already, or ended
         run.error = f"shuffle op {run.op_id}: {error}"

@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 from dask.base import tokenize
 
+from mpshuffle.config import resolve_options
 from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.dataframe import _collection, _skip_aliases, _warm_up
 from mpshuffle.dask.graph import check_npartitions, shuffle_graph
@@ -359,9 +360,10 @@ def _range_shuffle(
             "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
             "or the 'threads' or 'sync' scheduler"
         )
-    _warm_up()
+    options = resolve_options()  # the run's options: the client's, decided here
+    _warm_up(options)
     meta = df._meta if keep_index else df._meta.reset_index(drop=True)
-    token = tokenize(df._name, partitioner, keep_index)
+    token = tokenize(df._name, partitioner, keep_index, options.as_dict())
     graph = dict(df.__dask_graph__())
     layer, keys = shuffle_graph(
         _skip_aliases(graph, df.__dask_keys__()),
@@ -372,6 +374,7 @@ def _range_shuffle(
         name="mpshuffle-range",
         token=token,
         partitioner=partitioner,
+        options=options,
     )
     graph.update(layer)
     return keys, graph

@@ -32,8 +32,11 @@ def gather_statistics(client: Client | None = None) -> Any:
         :class:`mpshuffle.shuffler.run.Statistics` for host and device runs
         alike (``bytes_inserted``, ``bytes_sent``, ``bytes_received``,
         ``bytes_spilled_host``, ``bytes_spilled_disk``,
-        ``bytes_unspilled_disk``, ... in bytes, counts and seconds). A worker that was
-        never bootstrapped has an empty list.
+        ``bytes_unspilled_disk``, ... in bytes, counts and seconds), and
+        ``"options"``: the options the run used on that worker (the graph's,
+        with the worker options the client left unset from the worker's own
+        config; ``timeout``, ``batch_bytes``) and its ``host_budget`` in
+        bytes. A worker that was never bootstrapped has an empty list.
     """
     if client is None:
         from distributed import get_client
@@ -54,6 +57,6 @@ def _worker_statistics(dask_worker: Worker) -> list[dict[str, Any]]:
     if ctx is None:
         return []
     return [
-        {"op_id": op_id, "generation": ctx.generation, "rank": ctx.rank, **stats}
+        {"op_id": op_id, "generation": ctx.generation, "rank": ctx.rank, **stats, "options": ctx.used.get(op_id)}
         for op_id, stats in list(ctx.history)
     ]

@@ -118,14 +118,14 @@ class RankWatch:
             if run.error is not None:
                 continue
             gen = run.generation
-            limit = max(gen.options.timeout, MISSED_HEARTBEATS * beat)
+            limit = max(run.timeout, MISSED_HEARTBEATS * beat)
             for rank, address in enumerate(gen.workers):
                 ws = scheduler.workers.get(address)
                 if ws is None:
                     continue  # left the cluster: remove_worker restarts the run
                 silent = now - ws.last_seen
                 if silent > limit:
-                    errors.append(self._fail(run, rank, address, silent, gen.options.timeout))
+                    errors.append(self._fail(run, rank, address, silent, run.timeout))
                     break
         return errors
 

@@ -15,9 +15,17 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
 
 from mpshuffle.comm.tcp import TcpCommunicator
+from mpshuffle.config import with_worker_config
 from mpshuffle.dask.messages import BootstrapSpec, Joined, Restarted, RunBinding, Verdict
 from mpshuffle.dask.runtime import RunInfo
-from mpshuffle.errors import BootstrapError, CommTimeoutError, MPShuffleError, ShuffleError, phase
+from mpshuffle.errors import (
+    BootstrapError,
+    CommTimeoutError,
+    MPShuffleError,
+    OptionError,
+    ShuffleError,
+    phase,
+)
 from mpshuffle.memory.spill import remove_orphans
 from mpshuffle.options import Options
 from mpshuffle.shuffler.context import WorkerContext
@@ -131,7 +139,9 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             if address not in workers:
                 raise BootstrapError(f"worker {address} is not in generation {generation}")
             rank = workers.index(address)
-            options = Options(**spec.options)
+            # The client's options, but for the worker options it left unset:
+            # those name this machine's directory, interface and ports.
+            options = with_worker_config(Options(**spec.options))
             scheduler = self.worker.scheduler
             timeout = options.bootstrap_timeout
             comm = await TcpCommunicator.start(
@@ -139,7 +149,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 len(workers),
                 generation=generation,
                 token=spec.token,
-                listen_address=_listen_address(address),
+                listen_address=_listen_addresses(address, options),
                 security=self.worker.security,
                 shared_memory=options.shared_memory,
                 # A legitimate peer says hello at once; a stranger gets as
@@ -254,12 +264,16 @@ class ShuffleWorkerPlugin(WorkerPlugin):
 
     # -- from task threads -------------------------------------------------
     def get_run(
-        self, token: str, npartitions: int, *, extract_name: str, barrier_name: str, inserting: bool = False
+        self, token: str, npartitions: int, *, options: Options, extract_name: str, barrier_name: str,
+        inserting: bool = False,
     ) -> RunInfo:
         """Bind graph ``token`` to a run (asking the scheduler plugin once per run).
 
         Called from task threads; waits on the worker's event loop without
-        blocking it. ``inserting`` is not needed here: the scheduler plugin
+        blocking it. ``options`` are the graph's and go to the scheduler
+        plugin, which binds the run to a generation made with them; this
+        worker's own configuration plays no part (but for the worker options,
+        at bootstrap). ``inserting`` is not needed here: the scheduler plugin
         makes a new run when a computation of the graph ended.
 
         Raises
@@ -285,10 +299,11 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 npartitions=npartitions,
                 extract_name=extract_name,
                 barrier_name=barrier_name,
+                options=options.as_dict(),
             ))
             if binding.error is not None:
                 raise ShuffleError(binding.error)
-            run = RunInfo(token, binding.op_id, binding.generation, binding.workers, npartitions)
+            run = RunInfo(token, binding.op_id, binding.generation, binding.workers, npartitions, options.timeout)
             with self._runs_lock:
                 run = self.runs.setdefault(token, run)
         return run
@@ -349,7 +364,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 yield
         except MPShuffleError as e:
             if ctx.comm.lost or run.op_id in self._failed:
-                verdict = self._verdict(run, ctx.options.timeout, ctx)
+                verdict = self._verdict(run, run.timeout, ctx)
                 if verdict.restart:
                     if name == "insert":
                         # The restart released this task; Dask may still take
@@ -421,9 +436,31 @@ def _warm_up() -> None:
         logger.warning("mpshuffle: loading the insert's kernels ahead failed", exc_info=True)
 
 
-def _listen_address(worker_address: str) -> str:
-    """Listen where the worker does: same protocol and host, a free port."""
+def _listen_addresses(worker_address: str, options: Options) -> list[str]:
+    """Where this rank's communicator may listen, in order of preference.
+
+    The worker's protocol (``tcp://``, ``tls://``); the host of the worker's
+    own address, or the IPv4 address of option ``listen_interface``; the
+    port of option ``port`` (each port of a range in turn), else a free one.
+
+    Raises
+    ------
+    OptionError
+        If ``listen_interface`` names no interface of this machine with an
+        IPv4 address.
+    """
     protocol, _ = parse_address(worker_address)
     if protocol == "inproc":
-        return "inproc://"
-    return f"{protocol}://{get_address_host(worker_address)}:0"
+        return ["inproc://"]
+    host = get_address_host(worker_address)
+    if options.listen_interface is not None:
+        from distributed.utils import get_ip_interface
+
+        try:
+            host = get_ip_interface(options.listen_interface)
+        except ValueError as e:
+            raise OptionError(
+                f"option 'listen_interface': {options.listen_interface!r} on worker {worker_address}: {e}"
+            ) from None
+    low, high = options.port_range()
+    return [f"{protocol}://{host}:{port}" for port in range(low, high + 1)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mpshuffle.comm.local import LocalCommunicator
 from mpshuffle.errors import PartitionGoneError, ShuffleError
@@ -61,6 +61,11 @@ class WorkerContext:
         Running shuffles on this rank, by ``op_id``.
     history
         Statistics of the last finished runs, as ``(op_id, statistics)``.
+    used
+        The options each of those runs used on this rank, by ``op_id``: the
+        generation's (as this worker resolved them), the run's own
+        (``timeout``, ``batch_bytes``) and ``host_budget`` (bytes, or
+        ``None`` for unbounded).
     on_link_lost
         ``None``, or called as ``on_link_lost(peer, reason, op_ids)`` (on the
         progress thread, or a task's; must not block) when this rank's
@@ -122,6 +127,7 @@ class WorkerContext:
             set_allocator(self.pool.allocate)
         self.shufflers: dict[int, Run] = {}
         self.history: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=_HISTORY)
+        self.used: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
         self._finished: collections.deque[int] = collections.deque(maxlen=4096)
         self._failed: dict[int, BaseException] = {}
         self._lock = threading.RLock()
@@ -133,11 +139,19 @@ class WorkerContext:
         comm.on_peer_lost(self._on_peer_lost)
         comm.on_unsent(self._on_unsent)
 
-    def shuffler(self, op_id: int, *, device: bool = False) -> Run:
+    def shuffler(
+        self, op_id: int, *, device: bool = False, timeout: float | None = None, batch_bytes: int | None = None
+    ) -> Run:
         """The run ``op_id`` on this rank, created on first use.
 
         A :class:`~mpshuffle.shuffler.Shuffler`, or with ``device=True`` a
         :class:`~mpshuffle.shuffler.device.DeviceRun` (device tables over NCCL).
+
+        ``timeout`` (seconds) and ``batch_bytes`` are the run's own options
+        (:data:`~mpshuffle.options.RUN_OPTIONS`), which a task of the run
+        passes from its graph; they also apply to a run that a peer's
+        message created before any task of it ran here. ``None`` keeps what
+        the run has (at creation: this context's options).
 
         Raises
         ------
@@ -149,6 +163,7 @@ class WorkerContext:
         with self._lock:
             s = self.shufflers.get(op_id)
             if s is not None:
+                s.set_run_options(timeout, batch_bytes)
                 return s
             if self._closed:
                 raise ShuffleError(f"generation {self.generation} on rank {self.rank} is closed")
@@ -159,15 +174,17 @@ class WorkerContext:
                 raise PartitionGoneError(
                     f"shuffle op {op_id} already finished on rank {self.rank} (its data was handed out)"
                 )
+            timeout = self.options.timeout if timeout is None else timeout
+            batch_bytes = self.options.batch_bytes if batch_bytes is None else batch_bytes
             if device:
                 s = DeviceRun(
                     self.comm, op_id, resource=self.resource, state=self.device,
-                    key=self.generation, timeout=self.options.timeout, on_done=self._on_done,
+                    key=self.generation, timeout=timeout, on_done=self._on_done,
                 )
             else:
                 s = Shuffler(
-                    self.comm, op_id, resource=self.resource, timeout=self.options.timeout,
-                    batch_bytes=self.options.batch_bytes, pool=self.pool, on_done=self._on_done,
+                    self.comm, op_id, resource=self.resource, timeout=timeout,
+                    batch_bytes=batch_bytes, pool=self.pool, on_done=self._on_done,
                 )
             self.shufflers[op_id] = s
             self.pool.retain = True
@@ -214,6 +231,12 @@ class WorkerContext:
             self._finished.append(op_id)
             if s is not None:
                 self.history.append((op_id, dict(s.statistics)))
+                self.used[op_id] = {
+                    **self.options.as_dict(), **s.run_options(),
+                    "host_budget": self.resource.limit(MemoryType.HOST),
+                }
+                while len(self.used) > _HISTORY:
+                    self.used.popitem(last=False)
             self._release_pool()
 
     def _release_pool(self) -> None:

@@ -97,6 +97,16 @@ class Shuffler(Run):
         self.postbox = Postbox(resource, name=f"op{op_id}-r{comm.rank}")
         self._barrier_running = False
 
+    def set_run_options(self, timeout: float | None, batch_bytes: int | None) -> None:
+        """Apply the run's ``timeout`` and ``batch_bytes`` (see :meth:`Run.set_run_options`)."""
+        super().set_run_options(timeout, batch_bytes)
+        if batch_bytes is not None:
+            self._batch_bytes = batch_bytes
+
+    def run_options(self) -> dict[str, Any]:
+        """``timeout`` (seconds) and ``batch_bytes`` in force on this rank."""
+        return {**super().run_options(), "batch_bytes": self._batch_bytes}
+
     # -- insert ----------------------------------------------------------
     def insert_frame(
         self, input_index: int, frame: Any, adapter: FrameAdapter, on: Sequence[Any],

@@ -166,6 +166,21 @@ class Run(abc.ABC):
         self._error: BaseException | None = None
         self._closed = False
 
+    def set_run_options(self, timeout: float | None, batch_bytes: int | None) -> None:
+        """Apply the run's own options (:data:`~mpshuffle.options.RUN_OPTIONS`) from its task.
+
+        A run that a peer's message created before any task of it ran on
+        this rank starts with its context's options; the task's graph says
+        the run's. ``None`` keeps a value. Runs without batches ignore
+        ``batch_bytes``.
+        """
+        if timeout is not None:
+            self.timeout = timeout
+
+    def run_options(self) -> dict[str, Any]:
+        """The run's own options in force on this rank (``timeout`` in seconds; ``batch_bytes`` for host runs)."""
+        return {"timeout": self.timeout}
+
     # -- the phases each kind implements ------------------------------------
     @abc.abstractmethod
     def insert_frame(
