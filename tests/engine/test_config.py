@@ -197,3 +197,31 @@ def test_comm_is_not_an_option(clean_env: pytest.MonkeyPatch) -> None:
     """The communicator follows from where the tasks run, so asking for one is an unknown option."""
     with pytest.raises(OptionError, match="unknown mpshuffle option.*'comm'"):
         resolve_options(comm="tcp")
+
+
+def test_options_are_resolved_only_where_graphs_are_built() -> None:
+    """The rule's shape: ``resolve_options`` runs where a graph is built (or in
+    ``set_options``), never on the scheduler or the workers, which take a
+    run's options from its graph (and ``with_worker_config`` the worker
+    options the client left unset)."""
+    import ast
+    from pathlib import Path
+
+    import mpshuffle
+
+    root = Path(mpshuffle.__file__).parent
+    callers = {}
+    for path in root.rglob("*.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in ("resolve_options", "with_worker_config"):
+                    callers.setdefault(name, set()).add(path.relative_to(root).as_posix())
+    assert callers["resolve_options"] == {
+        "config.py",  # set_options
+        "dask/graph.py",  # shuffle_graph, when no options are passed: on the client
+        "dask/dataframe.py", "dask/sort.py",  # shuffle, merge, sort_values, set_index
+        "dask/method.py",  # Shuffle._lower, on the client (not _layer, on the scheduler)
+    }
+    assert callers["with_worker_config"] == {"dask/worker.py"}
