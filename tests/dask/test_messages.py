@@ -14,8 +14,8 @@ from mpshuffle.dask.messages import (
     Verdict,
 )
 from mpshuffle.dask.runtime import LocalRuntime, Runtime
-from mpshuffle.options import Options
 from mpshuffle.errors import ShuffleError
+from mpshuffle.options import Options
 
 
 @pytest.mark.parametrize(
