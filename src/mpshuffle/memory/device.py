@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["batched_copy", "copy_to_host", "device_budget", "device_memory_bytes", "reserve_device_pool"]
+__all__ = [
+    "batched_copy", "copy_to_host", "device_budget", "device_memory_bytes", "pinned_empty", "reserve_device_pool",
+]
 
 # Bytes one thread block of the batched copy moves (a multiple of 16).
 _CHUNK = 1 << 16
@@ -59,16 +61,27 @@ def copy_to_host(array: Any) -> Any:
     numpy.ndarray
         ``uint8``, shape ``(array.nbytes,)``.
     """
-    import cupy
-
-    nbytes = int(array.nbytes)
-    try:
-        block = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(nbytes), 0)
-    except (cupy.cuda.runtime.CUDARuntimeError, MemoryError):
+    host = pinned_empty(int(array.nbytes))
+    if host is None:
         return array.get()
-    host = np.frombuffer(block, dtype=np.uint8, count=nbytes)  # keeps the block alive
     array.get(out=host)
     return host
+
+
+def pinned_empty(nbytes: int) -> Any:
+    """A fresh ``uint8`` NumPy array of ``nbytes`` in page-locked host memory, or ``None``.
+
+    The block (``cudaHostAlloc``, page-aligned) is freed with the array's
+    last view. ``None`` where CuPy cannot have page-locked memory (no GPU,
+    or the allocation failed).
+    """
+    try:
+        import cupy
+
+        block = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(max(nbytes, 1)), 0)
+    except Exception:  # noqa: BLE001 - no CuPy or no driver, CUDARuntimeError, MemoryError: pageable memory then
+        return None
+    return np.frombuffer(block, dtype=np.uint8, count=nbytes)  # keeps the block alive
 
 
 def device_memory_bytes() -> int:
