@@ -91,9 +91,9 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
     reads: list[int] = []
     real_read = run._spill_in.read
 
-    def counting_read(pid: int, allocate: Any = None) -> memoryview:
+    def counting_read(pid: int) -> memoryview:
         reads.append(pid)
-        return real_read(pid, allocate)
+        return real_read(pid)
 
     run._spill_in.read = counting_read  # type: ignore[method-assign]
     parts = []

@@ -1,4 +1,4 @@
-"""Device memory: the size of the current GPU, the shuffle's device budget, the pool; pinned host memory.
+"""Device memory: the size of the current GPU, the shuffle's device budget, the pool.
 
 CuPy is imported inside the functions, so importing this module needs no GPU.
 """
@@ -9,9 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "batched_copy", "copy_to_host", "device_budget", "device_memory_bytes", "pinned_empty", "reserve_device_pool",
-]
+__all__ = ["batched_copy", "device_budget", "device_memory_bytes", "reserve_device_pool"]
 
 # Bytes one thread block of the batched copy moves (a multiple of 16).
 _CHUNK = 1 << 16
@@ -41,47 +39,6 @@ extern "C" __global__ void mpshuffle_batched_copy(
     else mpshuffle_copy_units<unsigned char>(src[c], dst[c], nbytes[c]);
 }
 """
-
-
-def copy_to_host(array: Any) -> Any:
-    """A host copy of a 1-D ``uint8`` CuPy array, in page-locked (pinned) memory where it can be had.
-
-    A copy into fresh pageable memory runs at the speed of first-touch page
-    faults, which the copy's one thread takes; into pinned memory the GPU
-    writes by DMA. Measured on an H200 host (4.29 GB, one run): ``get()``
-    into fresh pageable memory 1.93 s (2.2 GB/s), into pinned memory
-    (allocation included) 0.078 s (55 GB/s); a later host-to-device copy
-    from it ran at 55 GB/s too (``benchmarks/results/gpu/README.md``).
-    The pinned block is freed (``cudaFreeHost``) with the last view of the
-    returned array; where page-locked memory cannot be had, the copy goes to
-    pageable memory.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``uint8``, shape ``(array.nbytes,)``.
-    """
-    host = pinned_empty(int(array.nbytes))
-    if host is None:
-        return array.get()
-    array.get(out=host)
-    return host
-
-
-def pinned_empty(nbytes: int) -> Any:
-    """A fresh ``uint8`` NumPy array of ``nbytes`` in page-locked host memory, or ``None``.
-
-    The block (``cudaHostAlloc``, page-aligned) is freed with the array's
-    last view. ``None`` where CuPy cannot have page-locked memory (no GPU,
-    or the allocation failed).
-    """
-    try:
-        import cupy
-
-        block = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(max(nbytes, 1)), 0)
-    except Exception:  # noqa: BLE001 - no CuPy or no driver, CUDARuntimeError, MemoryError: pageable memory then
-        return None
-    return np.frombuffer(block, dtype=np.uint8, count=nbytes)  # keeps the block alive
 
 
 def device_memory_bytes() -> int:

@@ -26,14 +26,10 @@ import os
 import shutil
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpshuffle.errors import SpillError
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 __all__ = ["ALIGNMENT", "SpillDirectory", "remove_orphans"]
 
@@ -136,17 +132,8 @@ class SpillDirectory:
             self.nbytes += pad + nbytes
         return offset, nbytes
 
-    def read(self, partition_id: int, allocate: Callable[[int], memoryview] | None = None) -> memoryview:
+    def read(self, partition_id: int) -> memoryview:
         """Read partition ``partition_id``'s whole file into one aligned buffer and delete it.
-
-        Parameters
-        ----------
-        partition_id
-            The file's key.
-        allocate
-            ``allocate(nbytes)`` gives the writable buffer to read into, at
-            least 64-byte aligned (a device run passes page-locked memory, which
-            the GPU then reads by DMA); by default fresh host memory.
 
         Returns
         -------
@@ -164,7 +151,7 @@ class SpillDirectory:
             if not size:
                 return memoryview(b"")
             path = self._file(partition_id)
-            buf = (allocate or _aligned_empty)(size)
+            buf = _aligned_empty(size)
             try:
                 with open(path, "rb", buffering=0) as f:
                     got = 0

@@ -32,7 +32,6 @@ import numpy as np
 
 from mpshuffle.errors import SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Reservation, SpillDirectory
-from mpshuffle.memory.device import copy_to_host
 from mpshuffle.table import owned_partitions
 
 __all__ = [
@@ -62,15 +61,12 @@ class DeviceBuffer:
     disk: list[tuple[int, int, int, Reservation]] | None = None
 
     def spill(self, resource: BufferResource) -> int:
-        """Move to host memory (pinned, see :func:`~mpshuffle.memory.device.copy_to_host`); return the bytes moved.
-
-        Returns 0 for a buffer already in host memory or on disk.
-        """
+        """Move to host memory; return the bytes moved (0 if already there)."""
         if not self.on_device:
             return 0
         nbytes = int(self.data.nbytes)
         data = self.data
-        self.data = copy_to_host(data) if hasattr(data, "get") else data.copy()
+        self.data = data.get() if hasattr(data, "get") else data.copy()
         self.reservation.release()
         self.reservation = resource.reserve(MemoryType.HOST, nbytes)
         self.on_device = False

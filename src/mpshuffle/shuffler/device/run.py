@@ -70,7 +70,7 @@ import numpy as np
 
 from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
-from mpshuffle.memory.device import batched_copy, pinned_empty
+from mpshuffle.memory.device import batched_copy
 from mpshuffle.shuffler.device import buffers, exchange
 from mpshuffle.shuffler.device.buffers import (
     DeviceBuffer,
@@ -97,12 +97,6 @@ if TYPE_CHECKING:
 __all__ = ["DeviceRun"]
 
 logger = logging.getLogger(__name__)
-
-def _pinned_or_none(nbytes: int) -> memoryview:
-    """A page-locked buffer of ``nbytes`` (pageable where none can be had), for spill-file reads."""
-    block = pinned_empty(nbytes)
-    return (block if block is not None else np.empty(nbytes, dtype=np.uint8)).data
-
 
 class DeviceRun(Run):
     """One rank's state of one device shuffle run (see the module docstring).
@@ -584,8 +578,7 @@ class DeviceRun(Run):
     def _read_partition(self, partition_id: int) -> Any:
         t0 = time.perf_counter()
         try:
-            # On a GPU into page-locked memory: extract's copies to the device then run by DMA.
-            view = self._spill_in.read(partition_id, _pinned_or_none if self.state is not None else None)
+            view = self._spill_in.read(partition_id)
         except SpillError as e:
             self.fail(e)
             raise
