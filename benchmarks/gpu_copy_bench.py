@@ -1,9 +1,10 @@
 """Device-to-host and host-to-device copy speed by kind of host memory, on one GPU.
 
-Why the device run spills into page-locked memory (``memory/device.py``,
-``copy_to_host``): a copy of ``--gb`` GB of a CuPy buffer
+What a device spill's copy to host costs, and what page-locked memory would
+change (results: ``benchmarks/results/gpu/README.md``): a copy of ``--gb`` GB
+of a CuPy buffer
 
-- ``get_fresh``: ``get()`` into fresh pageable memory (what a spill did before);
+- ``get_fresh``: ``get()`` into fresh pageable memory (what a device spill does);
 - ``prefault_{1,8}threads``: touching fresh pageable memory first, with 1 or
   8 threads; then ``get_into_prefaulted_k`` and ``h2d_from_pageable_k``;
 - ``pinned_alloc_fresh``, ``get_into_pinned``, ``h2d_from_pinned``: a
