@@ -10,6 +10,10 @@
 #   nodask  benchmarks/gpu_bench.py: no Dask, raw NCCL all-to-all and CuPy partition limits
 #   ucxx    benchmarks/gpu_ucxx_bench.py: UCXX next to NCCL between the two GPUs
 #   profile benchmarks/gpu_insert_profile.py --cudf: where a device insert's time goes
+# On one GPU (nvidia-h200; dask/distributed carried as wheels on PYTHONPATH, no anchor needed):
+#   tiers   benchmarks/gpu_tiers_bench.py: through Dask in memory, 3x the device budget, disk
+#   nodask1 benchmarks/gpu_bench.py --nranks 1: partition + pack against CuPy's sort/scatter
+#   copy    benchmarks/gpu_copy_bench.py: copies between the GPU and host memory by kind
 # mpshuffle itself is not installed: src/ goes first on PYTHONPATH.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -33,6 +37,13 @@ for step in "$@"; do
              | tee "$OUT/ucxx.log" | tail -30) ;;
     profile) (env_on && timeout 200 python3 benchmarks/gpu_insert_profile.py --cudf 2>&1 \
              | tee "$OUT/profile.log" | tail -100) ;;
+    tiers) (export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" && mkdir -p /var/tmp/mps-spill && timeout 400 python3 \
+             benchmarks/gpu_tiers_bench.py --gb 24 --reps 3 --spill-dir /var/tmp/mps-spill --out "$OUT/tiers.json" 2>&1 \
+             | tee "$OUT/tiers.log" | grep -vi warn | tail -40) ;;
+    nodask1) (export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" && timeout 100 python3 benchmarks/gpu_bench.py --nranks 1 \
+             --gb 10 --reps 5 --npartitions 32 --out "$OUT/gpu_bench_1gpu.json" 2>&1 | tee "$OUT/nodask1.log" | tail -30) ;;
+    copy) (export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" && timeout 60 python3 benchmarks/gpu_copy_bench.py --gb 4.29 2>&1 \
+             | tee "$OUT/copy.log") ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
