@@ -87,6 +87,8 @@ def main() -> None:
         meta = table.empty_like()
         # Input partitions numbered round-major: outputs come ordered by round, then rank.
         run.insert(rnd * nranks + rank, table, ["k", "j"], 5)
+    # As Dask's barrier task depends on every insert: no rank's inputs-done before all inserted.
+    comm.barrier("inserted", 120)
     if rank == 0:
         run.barrier(5)
     adapter = DeviceAdapter()
