@@ -1,7 +1,8 @@
 """One rank of a multi-process device run, run as a subprocess by tests/gpu/test_gpu.py.
 
 Usage: ``python tests/gpu/gpu_ranks.py RANK NRANKS ADDRESS_FILE OUTDIR [BUDGET_BYTES]``. Rank
-``r`` uses GPU ``r``: a :class:`~mpshuffle.shuffler.context.WorkerContext` over
+``r`` sees only GPU ``r`` (of those visible; ``CUDA_VISIBLE_DEVICES``, as dask-cuda
+gives each worker one): a :class:`~mpshuffle.shuffler.context.WorkerContext` over
 a TCP host communicator (as a Dask worker holds, without Dask) runs one
 :class:`~mpshuffle.shuffler.device.DeviceRun` of three deterministic input
 tables per rank (rank 0 calls the barrier; NCCL moves the bytes), and writes
@@ -51,6 +52,12 @@ def connect(rank: int, nranks: int, address_file: str):  # type: ignore[no-untyp
 def main() -> None:
     rank, nranks, address_file, outdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     budget = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    import os
+
+    # One GPU per process, as dask-cuda gives each worker: the rank-th visible one.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    gpus = [g for g in visible.split(",") if g.strip()] if visible else [str(r) for r in range(nranks)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
     import cupy
     import numpy as np
 
@@ -60,12 +67,12 @@ def main() -> None:
     from mpshuffle.table import owned_partitions
     from mpshuffle.table.device import DeviceAdapter, DeviceTable
 
-    cupy.cuda.Device(rank).use()
+    cupy.cuda.Device(0).use()
     comm = connect(rank, nranks, address_file)
     total = int(cupy.cuda.runtime.memGetInfo()[1])
     options = Options(spill_device=budget / total if budget else 0.5, timeout=120)
     ctx = WorkerContext(comm, "gpu-test", options, memory_limit=2**34, local_directory=outdir)
-    assert ctx.device is not None and ctx.device.device == rank, "the rank did not take its own GPU"
+    assert ctx.device is not None and ctx.device.device == 0, "the rank did not take the GPU it was given"
     run = ctx.shuffler(1, device=True)
     rng = np.random.default_rng(rank)
     saved = {}
