@@ -256,37 +256,76 @@ def _freeze_in(method: str, pidfile: str, dask_worker=None) -> None:  # type: ig
 
     def frozen(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         setattr(host.Shuffler, method, real)
-        with open(pidfile + ".tmp", "w") as f:
-            f.write(f"{os.getpid()} {dask_worker.address}")
-        os.rename(pidfile + ".tmp", pidfile)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        _stop(pidfile, dask_worker.address)
         return real(self, *args, **kwargs)
 
     setattr(host.Shuffler, method, frozen)
 
 
-def _thaw(method: str) -> None:
+def _stop(pidfile: str, address: str) -> None:
+    with open(pidfile + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {address}")
+    os.rename(pidfile + ".tmp", pidfile)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _freeze_on_fetch(prefix: str, pidfile: str, dask_worker=None) -> None:  # type: ignore[no-untyped-def]
+    """Fault injection: the first worker a peer asks for the result of a task named ``prefix…`` stops.
+
+    As :func:`_freeze_in`, once in the cluster (``pidfile`` is claimed first):
+    the asking task (the barrier fetching an insert's result, an extract
+    fetching the barrier's) waits in Dask's fetch, not in mpshuffle.
+    """
+    real = dask_worker.handlers["get_data"]
+
+    async def frozen(comm, keys=(), **kwargs):  # type: ignore[no-untyped-def]
+        if any(str(k[0] if isinstance(k, tuple) else k).startswith(prefix) for k in keys):
+            try:
+                os.close(os.open(pidfile + ".claimed", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                dask_worker.handlers["get_data"] = real
+                _stop(pidfile, dask_worker.address)
+        return await real(comm, keys=keys, **kwargs)
+
+    dask_worker.mpshuffle_real_get_data = real
+    dask_worker.handlers["get_data"] = frozen
+
+
+def _thaw(method: str, dask_worker=None) -> None:  # type: ignore[no-untyped-def]
     from mpshuffle.shuffler import host
 
     real = getattr(host.Shuffler, f"_real_{method}", None)
     if real is not None:
         setattr(host.Shuffler, method, real)
+    get_data = getattr(dask_worker, "mpshuffle_real_get_data", None)
+    if get_data is not None:
+        dask_worker.handlers["get_data"] = get_data
 
 
 def _runs(dask_scheduler):  # type: ignore[no-untyped-def]
     return len(dask_scheduler.plugins["mpshuffle"].runs)
 
 
-@pytest.mark.parametrize("phase", ["insert", "barrier", "extract"])
+@pytest.mark.parametrize(
+    ("phase", "fetched"),
+    [("insert", None), ("barrier", None), ("extract", None), ("barrier", "mpshuffle-insert"),
+     ("extract", "mpshuffle-barrier")],
+)
 def test_a_stopped_rank_fails_the_shuffle_within_timeout_naming_it(
-    client3: Client, tmp_path: Any, phase: str
+    client3: Client, tmp_path: Any, phase: str, fetched: str | None
 ) -> None:
     """Issue 18 faults 2 and 3: a stopped rank left a shuffle without an answer well past timeout.
 
     Stopped while it inserts, while it runs the barrier task, or while it
     extracts, nothing else may be left to time out: the client must still
     get an error within ``timeout`` (+ the watch's ~1 s) naming the phase,
-    the stopped rank and its worker. Resumed, the cluster shuffles exactly.
+    the stopped rank and its worker. Likewise when it stops while a peer
+    fetches a result of the run from it (``fetched``: the barrier task an
+    insert's result, an extract the barrier's), where the waiting task has not
+    started, so only Dask's fetch waits (over 70 s; 38.8 s in a break-it run
+    with ``timeout=10``). Resumed, the cluster shuffles exactly.
     """
     timeout = 5.0  # long enough that a loaded machine delays no heartbeat that much
     bootstrap_dask_cluster(client3, timeout=timeout)
@@ -296,9 +335,12 @@ def test_a_stopped_rank_fails_the_shuffle_within_timeout_naming_it(
     _check(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6).compute(), pdf)
     workers = _workers(client3)
     pidfile = str(tmp_path / "frozen")
-    # The barrier task runs where the scheduler puts it: every rank is armed.
-    armed = workers if phase == "barrier" else [workers[1]]
-    client3.run(_freeze_in, phase, pidfile, workers=armed)
+    if fetched is not None:
+        client3.run(_freeze_on_fetch, fetched, pidfile)  # whichever rank is asked first
+    else:
+        # The barrier task runs where the scheduler puts it: every rank is armed.
+        armed = workers if phase == "barrier" else [workers[1]]
+        client3.run(_freeze_in, phase, pidfile, workers=armed)
     frozen_pid = None
     try:
         fut = client3.compute(shuffle(dd.from_pandas(pdf, npartitions=6), "k", npartitions=6))

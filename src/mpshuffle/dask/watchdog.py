@@ -19,7 +19,9 @@ for a stopped rank) has stopped answering. Each of its runs then fails:
   was silent;
 * on the healthy ranks at once (``mpshuffle_fail_run``), whose waits end;
 * on the scheduler, where the run's tasks still processing on the silent
-  worker are marked erred with that error, so the client gets it within
+  worker, and those on healthy workers that wait to fetch a result only the
+  silent worker holds (the barrier an insert's, an extract the barrier's),
+  are marked erred with that error, so the client gets it within
   ``timeout`` plus about a second;
 * and the generation is retired, so the next shuffle bootstraps a new one.
 
@@ -136,6 +138,12 @@ class RankWatch:
         tasks = scheduler.tasks
         keys = [*run.insert_keys, run.barrier_key, *run.extract_keys]
         pending = [k for k in keys if k in tasks and _processing_on(tasks[k]) == address]
+        # Tasks of the run placed on healthy workers that need a result only
+        # the silent worker holds (an insert's, for the barrier; the
+        # barrier's, for an extract) wait in Dask's fetch of it, which has no
+        # deadline of ours (30 s to connect; none on a pooled connection), and
+        # never start: nothing of the run would end them.
+        stuck = {k: w for k in keys if k in tasks and (w := _fetching_from(tasks[k], address)) is not None}
         gen = run.generation
         error = (
             f"{_phase(run, pending, tasks)} phase: rank {rank} (worker {address}) of generation {gen.id} "
@@ -151,19 +159,26 @@ class RankWatch:
         plugin._broadcast(gen, {"op": "mpshuffle_fail_run", "op_id": run.op_id, "token": run.token, "reason": error})
         exception = dumps(ShuffleTimeoutError(error, missing=(rank,)))
         stimulus_id = f"mpshuffle-silent-rank-{run.op_id}-{time.time()}"
-        if pending:
-            # The worker still runs these tasks: tell it to drop them first (as
-            # the scheduler does when it releases a processing task), so that
-            # once it answers again it cancels them before it hears that their
-            # inputs were released; otherwise its state machine refuses to drop
-            # the inputs of a task it is executing.
-            scheduler.send_all({}, {address: [{"op": "free-keys", "keys": pending, "stimulus_id": stimulus_id}]})
-        for key in pending:
+        erring = {**dict.fromkeys(pending, address), **stuck}
+        by_worker: dict[str, list[Any]] = {}
+        for key, worker in erring.items():
+            by_worker.setdefault(worker, []).append(key)
+        if by_worker:
+            # The workers still hold these tasks: tell them to drop them first
+            # (as the scheduler does when it releases a processing task), so
+            # that the silent one, once it answers again, cancels them before
+            # it hears that their inputs were released; otherwise its state
+            # machine refuses to drop the inputs of a task it is executing.
+            scheduler.send_all({}, {
+                worker: [{"op": "free-keys", "keys": ks, "stimulus_id": stimulus_id}]
+                for worker, ks in by_worker.items()
+            })
+        for key, worker in erring.items():
             ts = tasks.get(key)
             if ts is None or ts.state != "processing":
                 continue
             scheduler.handle_task_erred(
-                key=key, worker=address, run_id=ts.run_id, stimulus_id=stimulus_id,
+                key=key, worker=worker, run_id=ts.run_id, stimulus_id=stimulus_id,
                 exception=exception, traceback=None, exception_text=error, traceback_text="",
             )
         return error
@@ -173,6 +188,18 @@ def _processing_on(ts: Any) -> str | None:
     """The address of the worker running task ``ts``, or ``None`` if it is not running."""
     ws = ts.processing_on if ts.state == "processing" else None
     return None if ws is None else str(ws.address)
+
+
+def _fetching_from(ts: Any, address: str) -> str | None:
+    """The worker running ``ts`` if it is another than ``address`` and needs a result only ``address`` holds."""
+    where = _processing_on(ts)
+    if where is None or where == address:
+        return None
+    for dts in ts.dependencies:
+        holders = dts.who_has or ()
+        if holders and all(str(ws.address) == address for ws in holders):
+            return where
+    return None
 
 
 def _phase(run: _Run, pending: list[Any], tasks: Any) -> str:
