@@ -194,11 +194,12 @@ def _child_bootstrap(address: str, go: Any, results: Any) -> None:
     with Client(address) as c:
         results.put("ready")
         go.wait(60)
-        results.put(bootstrap_dask_cluster(c, timeout=77).id)
+        results.put(bootstrap_dask_cluster(c, spill_host=0.2).id)
 
 
 def test_concurrent_bootstraps_from_two_processes(client: Client) -> None:
-    bootstrap_dask_cluster(client)  # the plugins exist; the next call must make one new generation
+    # The plugins exist; the next calls (another generation option) must make one new generation.
+    bootstrap_dask_cluster(client)
     before = _state(client)["bootstraps"]
     ctx = multiprocessing.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
@@ -207,7 +208,7 @@ def test_concurrent_bootstraps_from_two_processes(client: Client) -> None:
     try:
         assert results.get(timeout=60) == "ready"
         go.set()
-        mine = bootstrap_dask_cluster(client, timeout=77)
+        mine = bootstrap_dask_cluster(client, spill_host=0.2)
         theirs = results.get(timeout=60)
         child.join(30)
         assert child.exitcode == 0

@@ -427,13 +427,14 @@ def _deferred_range_shuffle(
             "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
             "or the 'threads' or 'sync' scheduler"
         )
-    _warm_up()
+    options = resolve_options()  # the run's options: the client's, decided here
+    _warm_up(options)
     hidden = "_mpshuffle_range"
     while hidden in df.columns:
         hidden = "_" + hidden
     values_meta = df._meta[column].iloc[:0].reset_index(drop=True)
     size = max(int(sample_size), 1)
-    token = tokenize(df._name, column, npartitions, size, ascending, na_first, keep_index)
+    token = tokenize(df._name, column, npartitions, size, ascending, na_first, keep_index, options.as_dict())
     graph = dict(df.__dask_graph__())
     input_keys = _skip_aliases(graph, df.__dask_keys__())
     sample_name = f"mpshuffle-range-sample-{token}"
@@ -458,6 +459,7 @@ def _deferred_range_shuffle(
         name="mpshuffle-range",
         token=token,
         partitioner=_HiddenIds(hidden),
+        options=options,
     )
     graph.update(layer)
     return keys, graph, hidden
