@@ -25,6 +25,7 @@ from conftest import wait_for as _wait_for
 from mpshuffle.config import resolve_options
 from mpshuffle.dask import (
     bootstrap_dask_cluster,
+    gather_statistics,
     get_worker_context,
     merge,
     set_index,
@@ -89,9 +90,14 @@ def test_a_generation_bootstrapped_after_a_worker_left_keeps_the_users_options(
         shrunk = _options_everywhere(client)
         assert len(shrunk) == 1 and next(iter(shrunk))[0] not in (first.id, next(iter(grown))[0])
         assert {o[1:] for o in shrunk} == {(7.5, 123_456, 98_765_432)}
-        # An explicit bootstrap still chooses new options.
-        bootstrap_dask_cluster(client, timeout=9.0)
-        assert {o[1] for o in _options_everywhere(client)} == {9.0}
+        # And the runs themselves used the user's run options.
+        runs = gather_statistics(client)
+        assert {(r[-1]["options"]["timeout"], r[-1]["options"]["batch_bytes"]) for r in runs.values()} == {
+            (7.5, 123_456)
+        }
+        # An explicit bootstrap still chooses new options (a generation option: a new generation).
+        bootstrap_dask_cluster(client, spill_host=87_654_321)
+        assert {o[3] for o in _options_everywhere(client)} == {87_654_321}
     finally:
         bootstrap_dask_cluster(client)  # the config's options for the module's next tests
 
