@@ -39,12 +39,14 @@ def test_ci_runs_the_readme_test_command_first_then_the_checks() -> None:
 def test_readme_one_line_adoption_runs(tmp_path: Path) -> None:
     first = _blocks("python")[0]
     assert 'dask.config.set({"dataframe.shuffle.method": "mpshuffle"})' in first
+    assert 'dask.config.set({"array.rechunk.method": "mpshuffle"})' in first
     script = tmp_path / "adoption.py"
     script.write_text(first)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # 5000 items of price 1.0 over 1000 orders of 7 customers: 143 orders for cust 0..5, 142 for 6.
     assert eval(proc.stdout.strip().splitlines()[-1]) == [715.0] * 6 + [710.0]
+    assert float(proc.stdout.strip().splitlines()[-2]) == 40 * 100 * 100  # the rechunked cube's sum
 
 
 def test_readme_usage_runs(tmp_path: Path) -> None:

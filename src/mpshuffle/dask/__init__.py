@@ -1,7 +1,8 @@
 """mpshuffle's Dask integration: bootstrap, shuffle graphs, DataFrame shuffles.
 
 Importing it makes ``"mpshuffle"`` a shuffle method of Dask's own DataFrame
-operations (see :mod:`mpshuffle.dask.method`), and registers the
+operations (see :mod:`mpshuffle.dask.method`) and a rechunk method of Dask
+arrays (see :mod:`mpshuffle.dask.rechunk`), and registers the
 ``df.mpshuffle`` accessor on
 ``dask.dataframe.DataFrame`` (:func:`~mpshuffle.dask.accessor.register_accessor`,
 through Dask's public :func:`dask.dataframe.extensions.register_dataframe_accessor`).
@@ -17,11 +18,14 @@ from mpshuffle.dask.dataframe import shuffle
 from mpshuffle.dask.graph import ShuffleSpec, shuffle_graph
 from mpshuffle.dask.join import merge
 from mpshuffle.dask.method import install as _install_method
+from mpshuffle.dask.rechunk import install as _install_rechunk
 from mpshuffle.dask.sort import set_index, sort_values
 from mpshuffle.dask.statistics import gather_statistics
 
 # dataframe.shuffle.method / shuffle_method="mpshuffle" for Dask's own operations.
 _install_method()
+# array.rechunk.method / x.rechunk(..., method="mpshuffle") for dask arrays.
+_install_rechunk()
 
 __all__ = [
     "Generation",

@@ -318,22 +318,26 @@ def _where(ctx: WorkerContext) -> str:
     return f"rank {ctx.rank} ({ctx.workers[ctx.rank] if ctx.workers else ''})"
 
 
-def insert(frame: Any, input_index: int, spec: ShuffleSpec) -> Inserted:
-    """Task: split input partition ``input_index`` and send its pieces (or keep them, on a device run)."""
+def insert(frame: Any, input_index: int, spec: ShuffleSpec, adapter: FrameAdapter | None = None) -> Inserted:
+    """Task: split input partition ``input_index`` and send its pieces (or keep them, on a device run).
+
+    ``adapter`` splits the frame; by default the registered adapter of its type.
+    """
     # Names this execution: if Dask abandons it (its run restarted while it
     # ran), the barrier accepts another attempt's data for this partition.
     attempt = uuid.uuid4().hex[:16]
     with phase("bootstrap"):
         run, ctx, runtime = _bind(spec, inserting=True)
     with runtime.guard("insert", run, ctx):
-        adapter = get_adapter(frame)
+        meta_adapter = get_adapter(spec.meta) if adapter is None else adapter
+        adapter = get_adapter(frame) if adapter is None else adapter
         if not adapter.matches(spec.meta):
             raise ShuffleError(
                 f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
                 f"meta is a {type(spec.meta).__name__}"
             )
         check_columns(
-            adapter.column_names(frame), get_adapter(spec.meta).column_names(spec.meta),
+            adapter.column_names(frame), meta_adapter.column_names(spec.meta),
             what=f"input partition {input_index}",
         )
         adapter = _with_index(adapter, spec)
@@ -381,14 +385,17 @@ def barrier(spec: ShuffleSpec, *inserted: Inserted) -> RunInfo:
     return run
 
 
-def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec) -> Any:
-    """Task: wait for output partition ``partition_id`` of ``run`` and return it as a frame."""
+def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec, adapter: FrameAdapter | None = None) -> Any:
+    """Task: wait for output partition ``partition_id`` of ``run`` and return it as a frame.
+
+    ``adapter`` unpacks the pieces; by default the registered adapter of the meta's type.
+    """
     runtime = _runtime(spec)
     # Pinned by the scheduler plugin; a task that lands elsewhere moves.
     runtime.check_owner(run, partition_id)
     with phase("extract"):
         ctx = runtime.context_for(run)
-    adapter = _with_index(get_adapter(spec.meta), spec)
+    adapter = _with_index(get_adapter(spec.meta) if adapter is None else adapter, spec)
     try:
         with runtime.guard("extract", run, ctx):
             shuffler = _run_of(ctx, run, spec)

@@ -1,0 +1,226 @@
+"""Dask Array rechunks with only the method changed: mpshuffle, P2P and tasks, alternated, every output checked.
+
+Not a test. Three cases on one LocalCluster per case (``--workers`` x
+``--threads``):
+
+* ``time-to-space``: float32 ``(T, S, S)`` in chunks ``(1, S, S)`` (one time
+  step per chunk) to ``(T, S/20, S/20)`` (one pixel column per chunk). The
+  input is persisted first; the timing covers ``x.rechunk(...).persist()``
+  until every output block is in memory.
+* ``space-to-time``: the reverse, from a persisted ``(T, S/20, S/20)`` array.
+* ``out-of-core``: time-to-space of an array ``--factor`` times the workers'
+  memory (``--memory-limit`` each; mpshuffle's budget is its default, a
+  quarter of that), generated block by block inside the graph and checked
+  block by block, never held whole: the timing covers generation, rechunk
+  and check, the same work for every method.
+
+Every output block of every timed run is compared with the values it must
+hold (each element is a function of its position), inside the graph on the
+workers; a run with a wrong element, or chunks other than Dask's, fails the
+benchmark. The methods take turns (``--repeat`` rounds, each in a rotated
+order) after one untimed small run of each. Peak memory is the cluster's
+(sum of the worker processes' RSS, ``distributed``'s ``MemorySampler``,
+every 0.1 s) during the run. CPU seconds are the workers' (user + system).
+
+Writes ``benchmarks/results/<--name>.json`` and prints min/median/max.
+
+Run: ``python benchmarks/rechunk_bench.py [--t 400] [--side 1000] [--repeat 3] [--cases time-to-space,...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import psutil
+from distributed import Client, LocalCluster, wait
+from distributed.diagnostics import MemorySampler
+
+import mpshuffle
+import mpshuffle.dask
+
+METHODS = ("mpshuffle", "p2p", "tasks")
+RESULTS = Path(__file__).resolve().parent / "results"
+_MOD = 2**24  # values stay exact in float32
+
+
+def _values(location: list[tuple[int, int]]) -> np.ndarray:
+    """The elements of the array's region ``location``: ``(7919 t + 31 y + x) mod 2**24``, float32."""
+    (t0, t1), (y0, y1), (x0, x1) = location
+    t = np.arange(t0, t1, dtype=np.int64)[:, None, None] * 7919
+    y = np.arange(y0, y1, dtype=np.int64)[None, :, None] * 31
+    x = np.arange(x0, x1, dtype=np.int64)[None, None, :]
+    return ((t + y + x) % _MOD).astype(np.float32)
+
+
+def _fill(block: np.ndarray, block_info: Any = None) -> np.ndarray:
+    return _values(block_info[None]["array-location"])
+
+
+def _mismatches(block: np.ndarray, block_info: Any = None) -> np.ndarray:
+    bad = int(np.count_nonzero(block != _values(block_info[0]["array-location"])))
+    return np.full((1, 1, 1), bad, dtype=np.int64)
+
+
+def source(shape: tuple[int, int, int], chunks: tuple[int, int, int]) -> da.Array:
+    """The benchmark's array, computed block by block from positions (no input data)."""
+    return da.zeros(shape, chunks=chunks, dtype=np.float32).map_blocks(_fill, dtype=np.float32)
+
+
+def check(y: da.Array) -> da.Array:
+    """Number of wrong elements in ``y`` (0 when right), computed on the workers block by block."""
+    ones = tuple((1,) * len(c) for c in y.chunks)
+    return y.map_blocks(_mismatches, dtype=np.int64, chunks=ones).sum()
+
+
+def _cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _one(
+    client: Client, case: str, method: str, x: da.Array, target: tuple[int, ...], pids: list[int],
+    sampler: MemorySampler, label: str,
+) -> dict[str, Any]:
+    want = x.rechunk(target, method="tasks").chunks
+    with dask.config.set({"array.rechunk.method": method}):
+        y = x.rechunk(target)
+    assert y.chunks == want, (method, y.chunks, want)
+    cpu0 = _cpu(pids)
+    t0 = time.perf_counter()
+    with sampler.sample(label, measure="process", interval=0.1):
+        if case == "out-of-core":
+            bad = int(client.compute(check(y)).result())
+        else:
+            z = y.persist()
+            wait(z)
+            seconds = time.perf_counter() - t0
+    if case == "out-of-core":
+        seconds = time.perf_counter() - t0
+    cpu = _cpu(pids) - cpu0
+    if case != "out-of-core":
+        bad = int(client.compute(check(z)).result())
+        del z
+    if bad:
+        raise SystemExit(f"{case} with {method}: {bad} wrong elements")
+    series = sampler.to_pandas()[label].dropna()
+    return {
+        "method": method, "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 2),
+        "peak_bytes": int(series.max()), "start_bytes": int(series.iloc[0]), "checked": True,
+    }
+
+
+def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
+    t, side = args.t, args.side
+    small = side // 20
+    limit = args.memory_limit if case == "out-of-core" else "16GiB"
+    if case == "out-of-core":
+        per_step = side * side * 4
+        t = max(1, int(args.factor * args.workers * dask.utils.parse_bytes(limit) / per_step))
+    shape = (t, side, side)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="mpshuffle-rechunk-bench-") as tmp, LocalCluster(
+        n_workers=args.workers, threads_per_worker=args.threads, processes=True,
+        dashboard_address=":0", memory_limit=limit, local_directory=tmp,
+    ) as cluster, Client(cluster) as client:
+        pids = list(client.run(os.getpid).values())
+        mpshuffle.dask.bootstrap_dask_cluster(client)
+        sampler = MemorySampler()
+        # Untimed warm-up of each method on a small array.
+        warm = source((8, 40, 40), (1, 40, 40)).persist()
+        for m in METHODS:
+            with dask.config.set({"array.rechunk.method": m}):
+                assert int(client.compute(check(warm.rechunk((8, 2, 2)))).result()) == 0
+        del warm
+        if case == "time-to-space":
+            x, target = source(shape, (1, side, side)).persist(), (t, small, small)
+        elif case == "space-to-time":
+            x, target = source(shape, (t, small, small)).persist(), (1, side, side)
+        else:
+            x, target = source(shape, (1, side, side)), (t, small, small)
+        if case != "out-of-core":
+            wait(x)
+        for r in range(args.repeat):
+            order = METHODS[r % 3 :] + METHODS[: r % 3]
+            for m in order:
+                row = _one(client, case, m, x, target, pids, sampler, f"{case}-{m}-{r}")
+                row["round"] = r
+                rows.append(row)
+                print(f"{case:14s} round {r} {m:9s} {row['seconds']:7.2f} s  cpu {row['cpu_seconds']:6.1f} s  "
+                      f"peak {row['peak_bytes'] / 2**30:5.2f} GiB", flush=True)
+    summary: dict[str, Any] = {}
+    for m in METHODS:
+        mine = [r for r in rows if r["method"] == m]
+        secs = [r["seconds"] for r in mine]
+        peaks = [r["peak_bytes"] for r in mine]
+        summary[m] = {
+            "seconds": {"min": min(secs), "median": statistics.median(secs), "max": max(secs)},
+            "peak_gib": {"min": round(min(peaks) / 2**30, 2), "median": round(statistics.median(peaks) / 2**30, 2),
+                         "max": round(max(peaks) / 2**30, 2)},
+            "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in mine),
+        }
+    for m in ("p2p", "tasks"):
+        # Per round, the other method's time over mpshuffle's (pairs from the same round).
+        ratios = [
+            next(r["seconds"] for r in rows if r["method"] == m and r["round"] == k)
+            / next(r["seconds"] for r in rows if r["method"] == "mpshuffle" and r["round"] == k)
+            for k in range(args.repeat)
+        ]
+        summary[f"x_{m}"] = {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2),
+                             "max": round(max(ratios), 2)}
+    return {
+        "case": case, "shape": list(shape), "dtype": "float32", "bytes": int(np.prod(shape)) * 4,
+        "memory_limit_per_worker": limit, "rows": rows, "summary": summary,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--t", type=int, default=400, help="time steps of the in-memory cases")
+    parser.add_argument("--side", type=int, default=1000, help="spatial side S (a multiple of 20)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--memory-limit", default="1GiB", help="per worker, out-of-core case")
+    parser.add_argument("--factor", type=float, default=3.0, help="out-of-core array / workers' memory")
+    parser.add_argument("--cases", default="time-to-space,space-to-time,out-of-core")
+    parser.add_argument("--name", default="rechunk")
+    parser.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
+    args = parser.parse_args()
+    results = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_start": os.getloadavg()},
+        "versions": {"mpshuffle": mpshuffle.__version__, "dask": dask.__version__,
+                     "numpy": np.__version__},
+        "workers": args.workers, "threads_per_worker": args.threads, "repeat": args.repeat,
+        "cases": [],
+    }
+    for case in args.cases.split(","):
+        results["cases"].append(run_case(case, args))
+        s = results["cases"][-1]["summary"]
+        print(json.dumps({case: s}), flush=True)
+    results["machine"]["load_average_end"] = os.getloadavg()
+    out = Path(args.out) / f"{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Dask Array rechunking through mpshuffle: ``array.rechunk.method: mpshuffle``.
+
+After ``import mpshuffle.dask``, one line sends Dask's rechunks through mpshuffle::
+
+    dask.config.set({"array.rechunk.method": "mpshuffle"})
+    # or, per call: x.rechunk((400, 50, 50), method="mpshuffle")
+
+xarray's ``.chunk(...)`` of a dask-backed object calls Dask's ``rechunk``, so
+the same line applies there.
+
+How Dask gets here
+------------------
+``dask.array.rechunk.rechunk`` (which ``Array.rechunk`` and
+``dask.array.rechunk`` call) runs its ``"tasks"`` or ``"p2p"`` method and
+raises ``NotImplementedError`` for any other name; Dask has no registry for
+external methods. :func:`install` wraps it (in ``dask.array.rechunk`` and
+as ``dask.array.rechunk``): for the method ``"mpshuffle"`` (the ``method``
+argument, else ``array.rechunk.method``) it calls :func:`rechunk`; for every
+other method, Dask's own function unchanged. The target chunks are Dask's:
+:func:`rechunk` normalizes them with Dask's own helpers (``normalize_chunks``
+for ``"auto"``, ``-1``, dicts and ``block_size_limit``; ``balance``; the same
+checks), so the output has exactly the chunks Dask's rechunk would give. With
+Dask's experimental array expressions (``array.query-planning``), which do
+not call that function, choosing ``"mpshuffle"`` raises
+``NotImplementedError`` instead of running Dask's tasks method.
+
+The graph
+---------
+Cutting is independent per axis: along one axis, consecutive output chunks
+that share an input chunk belong to one *group*, and the groups of the axes
+multiply into independent n-dimensional groups (each input and output block
+in exactly one). A group with one input block or one output block needs no
+exchange: each output block is one task, a slice of its input block or an
+assembly of its input blocks' slices. A group with several of both is one
+mpshuffle run (:func:`mpshuffle.dask.graph.insert` / ``barrier`` /
+``extract`` with a :class:`~mpshuffle.table.ndarray.NDArrayAdapter`): each
+input block's insert task cuts it into one cut per output block it
+overlaps and sends, per output *partition* (:data:`PARTITION_BYTES` of
+consecutive output blocks), one piece holding its cuts for that partition's
+blocks to the partition's owner; each partition's extract task assembles
+its blocks once, and each output block is a task that takes its block from
+its partition's result. All keys start with ``mpshuffle-rechunk``; the
+output blocks' keys are the array's ``(name, i, j, ...)``. The run's tasks
+are never fused with their neighbours by Dask's low-level optimization
+(the scheduler plugin pins the extract tasks by their keys).
+
+Which arrays
+------------
+NumPy-backed arrays of any dtype and number of dimensions, irregular and
+zero-size chunks, and axes of unknown chunk sizes (NaN) that the rechunk
+leaves as they are (Dask's rule). Blocks of dtypes holding Python objects
+(``object``, structured dtypes with object fields) travel pickled. Arrays
+whose blocks are not ``numpy.ndarray`` (masked, sparse, CuPy) are refused
+with a ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import dask
+import numpy as np
+from dask._task_spec import Alias, Task, TaskRef
+from dask.base import tokenize
+
+from mpshuffle.config import resolve_options
+from mpshuffle.dask.dataframe import _warm_up
+from mpshuffle.dask.graph import ShuffleSpec, barrier, check_npartitions, extract, insert
+from mpshuffle.dask.method import METHOD, check_dask_version
+from mpshuffle.options import Options
+from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter
+
+__all__ = ["PARTITION_BYTES", "install", "installed", "rechunk", "uninstall"]
+
+#: Bytes of output blocks gathered into one output partition of a rechunk's run
+#: (one piece per insert and partition; see :func:`_exchange`).
+PARTITION_BYTES = 64 * 2**20
+
+
+def rechunk(
+    x: Any,
+    chunks: Any = "auto",
+    threshold: int | None = None,
+    block_size_limit: int | None = None,
+    balance: bool = False,
+) -> Any:
+    """Rechunk dask array ``x`` through mpshuffle; what ``x.rechunk(..., method="mpshuffle")`` calls.
+
+    Parameters
+    ----------
+    x
+        A dask array of ``numpy.ndarray`` blocks.
+    chunks, block_size_limit, balance
+        As for :func:`dask.array.rechunk`: the target chunks (int, tuple,
+        dict, ``"auto"``, ``-1``; ``block_size_limit`` in bytes bounds
+        ``"auto"``; ``balance`` evens the chunk sizes out), normalized by
+        Dask's own helpers, so the result has exactly Dask's chunks.
+    threshold
+        Accepted for Dask's signature; not used (mpshuffle has no
+        intermediate steps to plan).
+
+    Returns
+    -------
+    dask.array.Array
+        A normal dask array with the new chunks, named ``mpshuffle-rechunk-<token>``;
+        ``x`` itself where Dask would return it (nothing to do).
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not a dask array, or its blocks are not ``numpy.ndarray``.
+    ValueError
+        If the chunks do not fit ``x``'s shape (Dask's checks and messages),
+        or a group of the rechunk has more than ``mpshuffle.max-npartitions``
+        output blocks.
+    mpshuffle.dask.method.UnsupportedDaskError
+        Outside the dask versions this module was tested on.
+    mpshuffle.errors.OptionError
+        If an ``mpshuffle.*`` option in ``dask.config`` is unknown or invalid.
+    """
+    import dask.array as da
+
+    check_dask_version()
+    if not isinstance(x, da.Array):
+        raise TypeError(f"rechunk expects a dask array, got {type(x).__module__}.{type(x).__qualname__}")
+    if x.ndim > 0 and all(s == 0 for s in x.shape):
+        return x  # nothing to move (as Dask does)
+    new = _target_chunks(x, chunks, block_size_limit)
+    if not balance and new == x.chunks:
+        return x
+    from dask.array.rechunk import _balance_chunksizes, _validate_rechunk
+
+    if balance:
+        new = tuple(_balance_chunksizes(axis) for axis in new)  # type: ignore[arg-type]
+    _validate_rechunk(x.chunks, new)
+    meta = x._meta
+    if type(meta) is not np.ndarray:
+        cls = type(meta)
+        raise TypeError(
+            f"mpshuffle rechunks arrays of numpy.ndarray blocks; this array's blocks are "
+            f"{cls.__module__}.{cls.__qualname__}. Use method='tasks' or 'p2p' for it."
+        )
+    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
+        raise ValueError(
+            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
+            "or the 'threads' or 'sync' scheduler"
+        )
+    options = resolve_options()  # the runs' options: the client's, decided here
+    _warm_up(options)
+    return _build(x, new, options)
+
+
+def _target_chunks(x: Any, chunks: Any, block_size_limit: int | None) -> tuple[tuple[float, ...], ...]:
+    """Dask's target chunks for ``x.rechunk(chunks, block_size_limit=...)``, before ``balance``."""
+    from dask.array.core import normalize_chunks
+    from dask.array.utils import validate_axis
+
+    if isinstance(chunks, dict):
+        given = {validate_axis(axis, x.ndim): c for axis, c in chunks.items()}
+        chunks = {a: x.chunks[a] if given.get(a) is None else given[a] for a in range(x.ndim)}
+    if isinstance(chunks, (tuple, list)):
+        chunks = tuple(old if c is None else c for c, old in zip(chunks, x.chunks, strict=False))
+    new = normalize_chunks(
+        chunks, x.shape, limit=block_size_limit, dtype=x.dtype, previous_chunks=x.chunks
+    )
+    if len(new) != x.ndim:
+        raise ValueError("Provided chunks are not consistent with shape")
+    return tuple(tuple(axis) for axis in new)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AxisGroup:
+    """Along one axis: input chunks ``olds`` (global indices) and output chunks ``news`` that share them."""
+
+    olds: tuple[int, ...]
+    news: range
+    cuts: AxisCuts  # per position in olds: (output chunk - news.start, start, stop, offset)
+    recipes: tuple[tuple[tuple[int, slice, int], ...], ...]  # per output chunk: (old, slice, offset)
+
+
+def _axis_groups(recipes: Sequence[Sequence[tuple[int, slice]]]) -> list[_AxisGroup]:
+    """Group one axis's output chunks by shared input chunks (Dask's ``old_to_new`` of the axis)."""
+    spans: list[list[int]] = []  # [first output chunk, last output chunk + 1]
+    for j, recipe in enumerate(recipes):
+        # Output chunks overlap ascending input chunks: j shares one with j - 1
+        # exactly when its first input chunk is j - 1's last.
+        if spans and recipes[j - 1][-1][0] == recipe[0][0]:
+            spans[-1][1] = j + 1
+        else:
+            spans.append([j, j + 1])
+    groups = []
+    for lo, hi in spans:
+        olds: list[int] = []
+        cuts: dict[int, list[tuple[int, int, int, int]]] = {}
+        placed = []
+        for j in range(lo, hi):
+            offset, entries = 0, []
+            for old, sl in recipes[j]:
+                if old not in cuts:
+                    olds.append(old)
+                    cuts[old] = []
+                stop = -1 if sl.stop is None else int(sl.stop)
+                cuts[old].append((j - lo, int(sl.start), stop, offset))
+                entries.append((old, sl, offset))
+                offset += 0 if sl.stop is None else int(sl.stop) - int(sl.start)
+            placed.append(tuple(entries))
+        groups.append(_AxisGroup(
+            tuple(olds), range(lo, hi), tuple(tuple(cuts[o]) for o in olds), tuple(placed)
+        ))
+    return groups
+
+
+class _Pinned(Task):  # type: ignore[misc]
+    """A task that Dask's low-level optimization never fuses: the scheduler plugin pins it by its key."""
+
+    @property
+    def block_fusion(self) -> bool:
+        return True
+
+
+def _build(x: Any, chunks: tuple[tuple[float, ...], ...], options: Options) -> Any:
+    from dask.array.core import Array
+    from dask.array.rechunk import old_to_new
+    from dask.highlevelgraph import HighLevelGraph
+
+    token = tokenize(x.name, chunks, METHOD, options.as_dict())
+    name = f"{METHOD}-rechunk-{token}"
+    layer: dict[Any, Any] = {}
+    per_axis = [_axis_groups(recipes) for recipes in old_to_new(x.chunks, chunks)]
+    for gix, group in enumerate(itertools.product(*per_axis)):
+        nold = math.prod(len(g.olds) for g in group)
+        nnew = math.prod(len(g.news) for g in group)
+        if nold > 1 and nnew > 1:
+            _exchange(layer, x, name, token, gix, group, options)
+        else:
+            _local(layer, x, name, group)
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
+    return Array(graph, name, chunks, meta=x._meta)
+
+
+def _local(layer: dict[Any, Any], x: Any, name: str, group: tuple[_AxisGroup, ...]) -> None:
+    """Output blocks of a group with one input or one output block: one task each, no exchange."""
+    input_name = x.name
+    for new in itertools.product(*(g.news for g in group)):
+        key = (name, *new)
+        recipe = [g.recipes[j - g.news.start] for g, j in zip(group, new, strict=True)]
+        inputs = list(itertools.product(*recipe))
+        if len(inputs) == 1:
+            (entry,) = inputs
+            olds = tuple(e[0] for e in entry)
+            slices = tuple(e[1] for e in entry)
+            whole = all(
+                s.start == 0 and (s.stop is None or s.stop == x.chunks[a][o])
+                for a, (s, o) in enumerate(zip(slices, olds, strict=True))
+            )
+            if whole:
+                layer[key] = Alias(key, (input_name, *olds))  # type: ignore[arg-type]
+            else:
+                layer[key] = Task(key, _take, TaskRef((input_name, *olds)), slices)
+            continue
+        layout = tuple((tuple(e[1] for e in entry), tuple(e[2] for e in entry)) for entry in inputs)
+        refs = [TaskRef((input_name, *(e[0] for e in entry))) for entry in inputs]
+        layer[key] = Task(key, _assemble, layout, *refs)
+
+
+def _exchange(
+    layer: dict[Any, Any], x: Any, name: str, token: str, gix: int, group: tuple[_AxisGroup, ...],
+    options: Options,
+) -> None:
+    """The tasks of one mpshuffle run: an insert per input block, a barrier, an extract per output partition.
+
+    Output partition ``p`` is :data:`PARTITION_BYTES` of consecutive output
+    blocks (C order; one block at least, and at least two partitions per
+    worker of a default client where the blocks allow): an insert sends one
+    piece per partition, not per block. Each output block is then a task
+    that takes its block out of its partition's result.
+    """
+    ndim = len(group)
+    nout = tuple(len(g.news) for g in group)
+    nblocks = math.prod(nout)
+    known = all(not math.isnan(c) for axis in _chunks_of(x, group) for c in axis)
+    per_partition = 1
+    if known and nblocks > 1:
+        nbytes = x.dtype.itemsize * math.prod(sum(axis) for axis in _chunks_of(x, group))
+        wanted = max(math.ceil(nbytes / PARTITION_BYTES), 2 * _workers())
+        per_partition = max(1, nblocks // max(1, min(wanted, nblocks)))
+    plan = BlockPlan(cuts=tuple(g.cuts for g in group), nout=nout, per_partition=per_partition)
+    gtoken = tokenize(token, gix)
+    spec = ShuffleSpec(
+        token=gtoken,
+        on=(),
+        npartitions=check_npartitions(plan.npartitions),
+        meta=np.empty((0,) * ndim, dtype=x.dtype),
+        insert_name=f"{METHOD}-rechunk-insert-{token}",
+        barrier_name=f"{METHOD}-rechunk-barrier-{gtoken}",
+        extract_name=f"{METHOD}-rechunk-extract-{gtoken}",
+        options=options,
+    )
+    refs = []
+    for index, local in enumerate(np.ndindex(*(len(g.olds) for g in group))):
+        old = tuple(g.olds[i] for g, i in zip(group, local, strict=True))
+        key = (spec.insert_name, *old)
+        adapter = NDArrayAdapter(x.dtype, plan, local)
+        layer[key] = _Pinned(key, insert, TaskRef((x.name, *old)), index, spec, adapter)
+        refs.append(TaskRef(key))
+    layer[spec.barrier_name] = _Pinned(spec.barrier_name, barrier, spec, *refs)
+    out = NDArrayAdapter(x.dtype)
+    for pid in range(plan.npartitions):
+        key = (spec.extract_name, pid)
+        layer[key] = _Pinned(key, extract, TaskRef(spec.barrier_name), pid, spec, out)
+    for b, local in enumerate(np.ndindex(*nout)):
+        key = (name, *(g.news.start + i for g, i in zip(group, local, strict=True)))
+        layer[key] = Task(key, _pick, TaskRef((spec.extract_name, b // per_partition)), b)
+
+
+def _chunks_of(x: Any, group: tuple[_AxisGroup, ...]) -> list[list[float]]:
+    """Per axis, the sizes of the group's input chunks."""
+    return [[x.chunks[a][o] for o in g.olds] for a, g in enumerate(group)]
+
+
+def _workers() -> int:
+    """Workers of the default distributed client, or 1 (Dask's local schedulers, no client)."""
+    try:
+        from distributed import default_client
+
+        return max(1, len(default_client().scheduler_info(n_workers=-1)["workers"]))
+    except (ImportError, ValueError, TypeError):
+        return 1
+
+
+def _pick(blocks: dict[int, Any], b: int) -> Any:
+    """Output block ``b`` of its output partition's blocks."""
+    return blocks[b]
+
+
+def _take(block: Any, slices: tuple[slice, ...]) -> Any:
+    """An output block that is one slice of one input block (a view, as Dask's own rechunk gives)."""
+    return block[slices]
+
+
+def _assemble(layout: tuple[tuple[tuple[slice, ...], tuple[int, ...]], ...], *blocks: Any) -> Any:
+    """An output block made of slices of several input blocks, placed at their offsets."""
+    parts = [block[slices] for block, (slices, _) in zip(blocks, layout, strict=True)]
+    ndim = len(layout[0][0])
+    extent = tuple(
+        max(offsets[a] + part.shape[a] for part, (_, offsets) in zip(parts, layout, strict=True))
+        for a in range(ndim)
+    )
+    out = np.empty(extent, dtype=parts[0].dtype)
+    for part, (_, offsets) in zip(parts, layout, strict=True):
+        out[tuple(slice(o, o + s) for o, s in zip(offsets, part.shape, strict=True))] = part
+    return out
+
+
+# -- install -------------------------------------------------------------
+
+_state: dict[str, Any] = {}
+
+
+def install() -> None:
+    """Make ``"mpshuffle"`` a rechunk method of Dask arrays; idempotent.
+
+    Wraps ``dask.array.rechunk.rechunk`` (also bound as ``dask.array.rechunk``)
+    and, where Dask has them, the array expressions' ``Rechunk._lower``
+    (which then refuses the method clearly); see the module docstring.
+    Called by ``import mpshuffle.dask``.
+    """
+    if _state:
+        return
+    import dask.array as da
+
+    module = sys.modules["dask.array.rechunk"]
+    original = module.rechunk
+
+    @functools.wraps(original)
+    def dispatch(
+        x: Any, chunks: Any = "auto", threshold: Any = None, block_size_limit: Any = None,
+        balance: bool = False, method: Any = None,
+    ) -> Any:
+        if (method or dask.config.get("array.rechunk.method", None)) != METHOD:
+            return original(x, chunks, threshold, block_size_limit, balance, method)
+        return rechunk(x, chunks, threshold, block_size_limit, balance)
+
+    module.rechunk = dispatch  # type: ignore[attr-defined]
+    bound = getattr(da, "rechunk", None) is original
+    if bound:
+        da.rechunk = dispatch  # type: ignore[attr-defined]
+    _state.update(module=module, original=original, bound=bound)
+    try:
+        from dask.array._array_expr._rechunk import Rechunk
+    except ImportError:  # pragma: no cover - a dask without array expressions
+        return
+    lower = Rechunk.__dict__["_lower"]
+
+    def _lower(self: Any) -> Any:
+        if (self.method or dask.config.get("array.rechunk.method", None)) == METHOD:
+            raise NotImplementedError(
+                f"the rechunk method {METHOD!r} works on Dask's arrays without query planning; "
+                "array.query-planning is on. Turn it off, or choose the 'tasks' method."
+            )
+        return lower(self)
+
+    Rechunk._lower = _lower  # type: ignore[method-assign]
+    _state.update(expr=Rechunk, expr_lower=lower)
+
+
+def uninstall() -> None:
+    """Restore Dask's own rechunk functions."""
+    if not _state:
+        return
+    import dask.array as da
+
+    _state["module"].rechunk = _state["original"]
+    if _state["bound"]:
+        da.rechunk = _state["original"]  # type: ignore[attr-defined]
+    if "expr" in _state:
+        _state["expr"]._lower = _state["expr_lower"]
+    _state.clear()
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return bool(_state)

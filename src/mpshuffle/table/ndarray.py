@@ -1,0 +1,448 @@
+"""Frame adapter for NumPy array blocks: the pieces of a rechunk.
+
+A rechunk of an n-dimensional array (:mod:`mpshuffle.dask.rechunk`) moves
+the blocks of one chunking into the blocks of another. Within a group of
+input and output blocks that overlap (a :class:`BlockPlan`), every input
+block is cut into one *cut* per output block it overlaps, and every output
+block is assembled from the cuts of the input blocks that overlap it.
+Cutting and placing are independent per axis, so the plan holds, per axis
+and per input block, the output blocks it reaches and where (the whole
+cross product is never stored).
+
+The cost per cut is the whole game: a time-to-space rechunk cuts each of
+400 input blocks into 400 cuts (160,000). So output blocks are gathered into
+*output partitions* of consecutive blocks (C order, :attr:`BlockPlan.per_partition`
+blocks each), and an insert sends **one piece per output partition**: one
+buffer holding its cuts for every block of the partition, one after another,
+with an offset index in the piece's header. The host run
+(:class:`~mpshuffle.shuffler.host.Shuffler`) moves, budgets, spills and
+counts pieces, a few per insert, never cuts; :meth:`NDArrayAdapter.unpack`
+places every cut of a partition into its output block and returns the
+partition's blocks. This adapter is not registered for
+:func:`~mpshuffle.table.get_adapter` (a block has no key columns to hash):
+the rechunk tasks build one per block.
+
+Piece format
+------------
+``metadata``: a format byte (:data:`RAW` or :data:`PICKLED`), ``ndim`` and
+the number of cuts (``<BBq``), then per cut ``2 + 2 ndim`` little-endian
+``int64``: the output block (C-order index in the group), the cut's byte
+offset in ``data``, its offsets inside the output block and its extents.
+``nrows`` is the number of elements. ``data`` holds the cuts' elements, each
+in C order, in the array's own dtype (structured and non-native byte orders
+as they lie), each cut starting at a multiple of 16 bytes; or, for dtypes
+holding Python objects (``object``, structured with object fields), the
+pickle (protocol 5) of the list of cuts. Unpickling runs code chosen by the
+sender: pieces come only from the run's own ranks, which the communicator
+authenticates. The pieces an insert keeps on its rank get a buffer each
+from the worker's :class:`~mpshuffle.memory.pool.HostPool` (freed when the
+partition is extracted), the pieces it sends share one (reused once sent).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import pyarrow as pa
+
+from mpshuffle.errors import ShuffleError
+from mpshuffle.memory.packed import PackedData
+from mpshuffle.table.base import FrameAdapter
+from mpshuffle.table.hashing import partition_owner
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from mpshuffle.memory.pool import HostPool
+
+__all__ = ["PICKLED", "RAW", "BlockPlan", "NDArrayAdapter"]
+
+#: Format byte of a piece whose data are its elements, raw.
+RAW = 0
+#: Format byte of a piece whose data are the pickle of the piece (object dtypes).
+PICKLED = 1
+_ALIGN = 64  # each piece's buffer (the pool's alignment)
+_CUT_ALIGN = 16  # each cut inside a piece
+_HEAD = struct.Struct("<BBq")
+
+#: Per axis and input block: ``(output block, start, stop, offset)``, where
+#: ``start:stop`` is the piece's range in the input block (``stop`` -1: to the
+#: block's end, an axis of unknown extent) and ``offset`` its place in the output block.
+AxisCuts = tuple[tuple[tuple[int, int, int, int], ...], ...]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How the input blocks of one rechunk group are cut and the cuts placed.
+
+    Blocks are numbered by their position within the group, per axis from 0.
+
+    Attributes
+    ----------
+    cuts
+        ``cuts[axis][i]``: the cuts input block ``i`` (along ``axis``) gives,
+        as ``(j, start, stop, offset)``: output block ``j`` along the axis
+        takes the input block's range ``start:stop`` (``stop`` -1: to the
+        end; its extent is not known before the block is computed) at
+        ``offset``. Ordered by ``start``.
+    nout
+        Output blocks of the group per axis. Output block ``(j0, j1, ...)``
+        has the C-order index ``b = numpy.ravel_multi_index((j0, j1, ...), nout)``.
+    per_partition
+        Output blocks per output partition: block ``b`` is in partition
+        ``b // per_partition``.
+
+    Raises
+    ------
+    ValueError
+        If ``cuts`` and ``nout`` differ in length, a cut names an output
+        block outside ``nout``, or ``per_partition`` < 1.
+    """
+
+    cuts: tuple[AxisCuts, ...]
+    nout: tuple[int, ...]
+    per_partition: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.cuts) != len(self.nout):
+            raise ValueError(
+                f"a block plan needs cuts for every axis: {len(self.cuts)} axes of cuts, "
+                f"{len(self.nout)} of output blocks"
+            )
+        if self.per_partition < 1:
+            raise ValueError(f"per_partition must be >= 1, got {self.per_partition}")
+        for axis, (per_block, n) in enumerate(zip(self.cuts, self.nout, strict=True)):
+            for block in per_block:
+                for j, *_ in block:
+                    if not 0 <= j < n:
+                        raise ValueError(f"axis {axis}: output block {j} is outside [0, {n})")
+
+    @property
+    def nblocks(self) -> int:
+        """Output blocks of the group."""
+        return math.prod(self.nout)
+
+    @property
+    def npartitions(self) -> int:
+        """Output partitions of the group's run: ``ceil(nblocks / per_partition)``."""
+        return -(-self.nblocks // self.per_partition)
+
+    def blocks_of(self, partition: int) -> range:
+        """The output blocks (C-order indices) of output partition ``partition``."""
+        return range(partition * self.per_partition, min(self.nblocks, (partition + 1) * self.per_partition))
+
+    def pieces(self, block: Sequence[int]) -> Iterator[tuple[int, tuple[slice, ...], tuple[int, ...]]]:
+        """``(output block, slices in the input block, offsets in the output block)`` of every cut.
+
+        In increasing order of the output block (C-order index in the group).
+
+        Parameters
+        ----------
+        block
+            The input block's position in the group, one index per axis.
+
+        Raises
+        ------
+        ValueError
+            If ``block`` has the wrong number of axes or lies outside the group.
+        """
+        if len(block) != len(self.cuts):
+            raise ValueError(f"block index {tuple(block)} has {len(block)} axes, the plan {len(self.cuts)}")
+        per_axis = []
+        stride = 1
+        for axis in reversed(range(len(block))):
+            i = block[axis]
+            if not 0 <= i < len(self.cuts[axis]):
+                raise ValueError(f"block index {tuple(block)} lies outside the group on axis {axis}")
+            per_axis.append([
+                (j * stride, slice(a, None if b < 0 else b), offset) for j, a, b, offset in self.cuts[axis][i]
+            ])
+            stride *= self.nout[axis]
+        per_axis.reverse()
+        for combo in itertools.product(*per_axis):
+            yield (
+                sum(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)
+            )
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _empty_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start : start + nbytes]
+
+
+class NDArrayAdapter(FrameAdapter):
+    """Cuts NumPy blocks into rechunk pieces and assembles output blocks from them.
+
+    Parameters
+    ----------
+    dtype
+        The array's dtype (every block has it).
+    plan
+        The group's :class:`BlockPlan`; needed to cut (:meth:`split_for`).
+    block
+        Position in the group of the block this adapter cuts.
+
+    Notes
+    -----
+    Only :meth:`split_for`/:meth:`split` and :meth:`unpack` are a rechunk's;
+    a block has no key columns, so :meth:`partition_ids` refuses.
+    """
+
+    name: ClassVar[str] = "numpy-block"
+
+    def __init__(self, dtype: Any, plan: BlockPlan | None = None, block: Sequence[int] | None = None) -> None:
+        self.dtype = np.dtype(dtype)
+        self.plan = plan
+        self.block = None if block is None else tuple(int(i) for i in block)
+
+    def matches(self, obj: object) -> bool:
+        """Whether ``obj`` is a plain NumPy array (not a subclass such as a masked array)."""
+        return type(obj) is np.ndarray
+
+    def column_names(self, frame: Any) -> list[Any]:
+        """A block has no columns: ``[]``."""
+        return []
+
+    def num_rows(self, frame: Any) -> int:
+        """Elements of the block."""
+        return int(frame.size)
+
+    def nbytes(self, frame: Any) -> int:
+        """Bytes of the block's elements."""
+        return int(frame.nbytes)
+
+    def partition_ids(self, frame: Any, on: Sequence[Any], npartitions: int) -> npt.NDArray[np.int64]:
+        """Refused: a block is cut by position (its :class:`BlockPlan`), not by hashing keys.
+
+        Raises
+        ------
+        TypeError
+            Always.
+        """
+        raise TypeError("array blocks are cut by their rechunk plan, not partitioned by key columns")
+
+    def split(
+        self, frame: Any, on: Sequence[Any], npartitions: int, ids: npt.NDArray[np.int64] | None = None
+    ) -> dict[int, PackedData]:
+        """:meth:`split_for` on one rank, in fresh memory."""
+        return self.split_for(frame, on, npartitions, ids)
+
+    def split_for(
+        self,
+        frame: Any,
+        on: Sequence[Any],
+        npartitions: int,
+        ids: npt.NDArray[np.int64] | None = None,
+        *,
+        rank: int = 0,
+        nranks: int = 1,
+        pool: HostPool | None = None,
+    ) -> dict[int, PackedData]:
+        """Cut block ``frame``: one piece per output partition it reaches, holding its cuts.
+
+        Parameters
+        ----------
+        frame
+            The input block: a NumPy array of the adapter's dtype, shaped as
+            the plan's cuts expect.
+        on, ids
+            Not used (a block is cut by position).
+        npartitions
+            Output partitions of the run (the plan's :attr:`BlockPlan.npartitions`).
+        rank, nranks
+            This rank and the run's ranks: pieces of the partitions this
+            rank owns (``partition % nranks == rank``) get buffers of their
+            own, apart from the buffer of the pieces sent away.
+        pool
+            Where the pieces' memory comes from; fresh memory without one.
+
+        Returns
+        -------
+        dict
+            ``{partition: PackedData}``; every cut is in, also an empty one
+            (every output block hears from every input block it overlaps).
+
+        Raises
+        ------
+        mpshuffle.errors.ShuffleError
+            If the adapter has no plan, the block is not a NumPy array of the
+            adapter's dtype, or its shape does not fit the plan's cuts.
+        """
+        plan, where = self.plan, self.block
+        if plan is None or where is None:
+            raise ShuffleError("a numpy-block adapter needs its block plan and block index to cut a block")
+        if type(frame) is not np.ndarray:
+            raise ShuffleError(
+                f"rechunk input block {where} is a {type(frame).__module__}.{type(frame).__qualname__}; "
+                "mpshuffle rechunks arrays whose blocks are plain numpy.ndarray"
+            )
+        if frame.dtype != self.dtype:
+            raise ShuffleError(f"rechunk input block {where} has dtype {frame.dtype}, the array declares {self.dtype}")
+        if frame.ndim != len(plan.cuts):
+            raise ShuffleError(
+                f"rechunk input block {where} has {frame.ndim} dimensions, the array {len(plan.cuts)}"
+            )
+        for axis, size in enumerate(frame.shape):
+            reach = max((b for _, _, b, _ in plan.cuts[axis][where[axis]]), default=0)
+            if reach > size:
+                raise ShuffleError(
+                    f"rechunk input block {where} has extent {size} on axis {axis}; the array's chunks "
+                    f"say {reach}"
+                )
+        # Cuts by partition, in order of output block.
+        by_partition: dict[int, list[tuple[int, Any, tuple[int, ...]]]] = {}
+        per = plan.per_partition
+        for b, slices, offsets in plan.pieces(where):
+            by_partition.setdefault(b // per, []).append((b, frame[slices], offsets))
+        if self.dtype.hasobject:
+            return {
+                pid: PackedData(
+                    _index(PICKLED, frame.ndim, cuts, [0] * len(cuts)),
+                    pickle.dumps([view for _, view, _ in cuts], protocol=5),
+                    sum(int(view.size) for _, view, _ in cuts),
+                )
+                for pid, cuts in by_partition.items()
+            }
+        return _pack(by_partition, frame.ndim, rank, nranks, pool)
+
+    def unpack(self, pieces: Sequence[PackedData], meta: Any) -> dict[int, Any]:
+        """Assemble the output blocks of one output partition from all of its pieces (any order).
+
+        Parameters
+        ----------
+        pieces
+            Every piece of the partition, from :meth:`split_for`.
+        meta
+            Not used (the adapter's dtype counts).
+
+        Returns
+        -------
+        dict
+            ``{output block: numpy.ndarray}`` (C-order index in the group ->
+            the block, C-ordered, shaped by its cuts' extents), for every
+            block the pieces hold.
+
+        Raises
+        ------
+        mpshuffle.errors.ShuffleError
+            If there are no pieces, a piece is malformed, or the cuts of a
+            block do not cover it exactly once.
+        """
+        if not pieces:
+            raise ShuffleError("an output partition of a rechunk received no pieces")
+        read = [_read_index(piece.metadata) for piece in pieces]
+        ndims = {ndim for _, ndim, _ in read}
+        if len(ndims) != 1:
+            raise ShuffleError(f"rechunk pieces of {sorted(ndims)} dimensions in one output partition")
+        (ndim,) = ndims
+        index = np.concatenate([rows for _, _, rows in read])
+        blocks, where = np.unique(index[:, 0], return_inverse=True)
+        ends = index[:, 2 : 2 + ndim] + index[:, 2 + ndim :]
+        extents = np.zeros((len(blocks), ndim), np.int64)
+        np.maximum.at(extents, where, ends)
+        out = {int(b): np.empty(tuple(e), dtype=self.dtype) for b, e in zip(blocks.tolist(), extents.tolist(), strict=True)}
+        covered = np.bincount(where, weights=np.prod(index[:, 2 + ndim :], axis=1), minlength=len(blocks))
+        raw = self.dtype.itemsize > 0
+        for piece, (fmt, _, rows) in zip(pieces, read, strict=True):
+            values = pickle.loads(piece.data) if fmt == PICKLED else None
+            for c, row in enumerate(rows.tolist()):
+                shape = row[2 + ndim :]
+                n = math.prod(shape)
+                if n:
+                    if values is not None:
+                        cut = values[c]
+                    elif raw:
+                        cut = np.frombuffer(piece.data, self.dtype, n, row[1]).reshape(shape)
+                    else:
+                        cut = None
+                    if cut is not None:
+                        offsets = row[2 : 2 + ndim]
+                        out[row[0]][tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))] = cut
+        sizes = np.array([out[int(b)].size for b in blocks.tolist()], dtype=np.float64)
+        if not np.array_equal(covered, sizes):
+            bad = int(blocks[np.flatnonzero(covered != sizes)[0]])
+            raise ShuffleError(
+                f"the cuts of rechunk output block {bad} (shape {out[bad].shape}) do not cover it exactly "
+                "once: a piece is missing or came twice"
+            )
+        return out
+
+    def empty_like(self, meta: Any) -> Any:
+        """An array with ``meta``'s shape and the adapter's dtype, uninitialized."""
+        return np.empty(np.shape(meta), dtype=self.dtype)
+
+
+def _index(fmt: int, ndim: int, cuts: Sequence[tuple[int, Any, tuple[int, ...]]], at: Sequence[int]) -> bytes:
+    """A piece's header: format, ``ndim``, the number of cuts, then each cut's row of the offset index."""
+    rows = np.empty((len(cuts), 2 + 2 * ndim), dtype="<i8")
+    for r, ((b, view, offsets), start) in enumerate(zip(cuts, at, strict=True)):
+        rows[r, 0] = b
+        rows[r, 1] = start
+        rows[r, 2 : 2 + ndim] = offsets
+        rows[r, 2 + ndim :] = view.shape
+    return _HEAD.pack(fmt, ndim, len(cuts)) + rows.tobytes()
+
+
+def _read_index(metadata: bytes) -> tuple[int, int, npt.NDArray[np.int64]]:
+    if len(metadata) < _HEAD.size:
+        raise ShuffleError(f"a rechunk piece has a malformed header of {len(metadata)} bytes")
+    fmt, ndim, ncuts = _HEAD.unpack_from(metadata)
+    if fmt not in (RAW, PICKLED):
+        raise ShuffleError(f"a rechunk piece has unknown format {fmt}")
+    width = 2 + 2 * ndim
+    if len(metadata) != _HEAD.size + 8 * width * ncuts:
+        raise ShuffleError(f"a rechunk piece's index has {len(metadata)} bytes, not {ncuts} cuts of {ndim} axes")
+    rows = np.frombuffer(metadata, "<i8", ncuts * width, _HEAD.size).reshape(ncuts, width).astype(np.int64)
+    return fmt, ndim, rows
+
+
+def _pack(
+    by_partition: dict[int, list[tuple[int, Any, tuple[int, ...]]]], ndim: int, rank: int, nranks: int,
+    pool: HostPool | None,
+) -> dict[int, PackedData]:
+    """Copy the cuts into buffers: one per kept partition, one for all partitions sent away."""
+    # Buffer -1 holds the pieces sent away; buffer p a kept partition p's piece.
+    layout: dict[int, tuple[int, int, int, list[int]]] = {}
+    sizes: dict[int, int] = {-1: 0}
+    for pid, cuts in by_partition.items():
+        owner = -1 if partition_owner(pid, nranks) != rank else pid
+        at, total = [], 0
+        for _, view, _ in cuts:
+            at.append(total)
+            total += _round_up(view.nbytes, _CUT_ALIGN)
+        base = sizes.get(owner, 0)
+        layout[pid] = (owner, base, total, at)
+        sizes[owner] = base + _round_up(total, _ALIGN)
+    buffers = {
+        owner: (pool.allocate(t) if pool is not None else pa.py_buffer(_empty_aligned(t))) if t else pa.py_buffer(b"")
+        for owner, t in sizes.items()
+    }
+    arrays = {owner: np.frombuffer(b, dtype=np.uint8) for owner, b in buffers.items() if sizes[owner]}
+    pieces = {}
+    for pid, cuts in by_partition.items():
+        owner, base, total, at = layout[pid]
+        if total:
+            target = arrays[owner]
+            for (_, view, _), start in zip(cuts, at, strict=True):
+                if view.nbytes:
+                    a = base + start
+                    dest = target[a : a + view.nbytes].view(view.dtype).reshape(view.shape)
+                    np.copyto(dest, view, casting="no")
+            data = buffers[owner].slice(base, total)
+        else:
+            data = b""
+        nelem = sum(int(view.size) for _, view, _ in cuts)
+        pieces[pid] = PackedData(_index(RAW, ndim, cuts, at), data, nelem)
+    return pieces

@@ -1,0 +1,258 @@
+"""Dask Array rechunks through mpshuffle: Dask's chunks, exact values, the engine's tasks, clean-up."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.callbacks import Callback
+from distributed import Client, LocalCluster
+
+from conftest import worker_state
+from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph
+from mpshuffle.dask import rechunk as rechunk_module
+from mpshuffle.dask.method import UnsupportedDaskError
+from mpshuffle.dask.runtime import LocalRuntime
+
+MP = {"array.rechunk.method": "mpshuffle"}
+
+
+class _Count(Callback):
+    """Names of the executed tasks (Dask's local schedulers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def _pretask(self, key: Any, dsk: Any, state: Any) -> None:
+        self.names.append(key[0] if isinstance(key, tuple) else key)
+
+
+def _check(x: da.Array, chunks: Any, scheduler: str = "sync", **kwargs: Any) -> tuple[da.Array, list[str]]:
+    """Rechunk with mpshuffle and with tasks: same chunks, same values and dtype; returns the names run."""
+    want = x.rechunk(chunks, method="tasks", **kwargs)
+    got = x.rechunk(chunks, method="mpshuffle", **kwargs)
+    assert got.chunks == want.chunks
+    assert got.dtype == want.dtype
+    with _Count() as counted:
+        value = got.compute(scheduler=scheduler)
+    expected = want.compute(scheduler="sync")
+    assert value.dtype == expected.dtype and value.shape == expected.shape
+    if value.dtype.hasobject:
+        assert value.tolist() == expected.tolist()
+    else:
+        assert value.tobytes() == expected.tobytes()
+    return got, counted.names
+
+
+def _inserts(names: list[str], y: da.Array) -> int:
+    """Insert tasks of ``y``'s rechunk among ``names``."""
+    return names.count(y.name.replace("mpshuffle-rechunk-", "mpshuffle-rechunk-insert-", 1))
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "threads"])
+def test_time_to_space_and_back(scheduler: str) -> None:
+    x = da.random.default_rng(1).random((12, 20, 30), chunks=(1, 20, 30)).astype("f4")
+    y, names = _check(x, (12, 5, 6), scheduler)
+    assert y.name.startswith("mpshuffle-rechunk-")
+    own = {k[0] for k in dict(y.dask) if isinstance(k, tuple)} | {k for k in dict(y.dask) if isinstance(k, str)}
+    ours = {n for n in own if not n.startswith(("random", "astype"))}
+    assert all(n.startswith("mpshuffle-rechunk-") for n in ours)
+    kinds = {n.split("-")[2] if n.count("-") > 2 else "output" for n in ours}
+    assert kinds == {"insert", "barrier", "extract", "output"}
+    assert _inserts(names, y) == 12  # one insert per input block
+    assert names.count(y.name) == 4 * 5  # one task per output block
+    assert 1 < sum(n.startswith("mpshuffle-rechunk-extract-") for n in names) < 4 * 5  # partitions of blocks
+    back, names = _check(y, (1, 20, 30), scheduler)
+    assert _inserts(names, back) == 4 * 5
+
+
+@pytest.mark.parametrize(
+    ("shape", "old", "new"),
+    [
+        ((17,), (5, 5, 7), (3, 3, 3, 3, 3, 2)),  # irregular, 1-d
+        ((7, 24), ((7,), (10, 0, 0, 9, 0, 5)), (2, 3)),  # zero-size input chunks
+        ((8, 8), (4, 4), ((4, 4), (4, 0, 0, 4))),  # zero-size output chunks
+        ((5, 6, 7, 3), (2, 3, 4, 1), (3, 2, 2, 3)),  # 4-d
+        ((0, 10, 100), (0, 10, 10), (0, 10, 50)),  # a zero-length axis
+        ((6, 6), (6, 6), (2, 3)),  # one input block: slices only
+        ((6, 6), (1, 1), (6, 6)),  # one output block: one assembly
+    ],
+)
+def test_chunkings_match_tasks(shape: tuple[int, ...], old: Any, new: Any) -> None:
+    x = da.from_array(np.arange(math.prod(shape), dtype="i8").reshape(shape), chunks=old)
+    _check(x, new)
+
+
+def test_auto_dict_balance_and_block_size_limit() -> None:
+    x = da.ones((100, 60, 20), chunks=(1, 60, 20), dtype="f8")
+    _check(x, "auto", block_size_limit=64_000)
+    _check(x, {0: -1, 1: "auto"}, block_size_limit=100_000)
+    _check(x, {1: 7}, balance=True)
+    z = da.ones(10, chunks=(5,))
+    with dask.config.set({"array.chunk-size": "1B"}):
+        assert z.rechunk("auto", method="mpshuffle").chunks == ((1,) * 10,)
+    same = x.rechunk(x.chunks, method="mpshuffle")
+    assert same is x  # nothing to do, as with Dask's own methods
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [">i4", "bool", "c8", "M8[s]", "U4", [("a", "u1"), ("b", "f8", (2,))], "O"],
+)
+def test_dtypes(dtype: Any) -> None:
+    values = np.arange(6 * 8).reshape(6, 8)
+    if dtype == "O":
+        arr = values.astype(object)
+        arr[2, 3] = ("a", {"b": [1]})
+    else:
+        arr = values.astype(dtype)
+    x = da.from_array(arr, chunks=(1, 8))
+    _check(x, (6, 2))
+
+
+def test_unknown_chunk_sizes_on_an_unchanged_axis() -> None:
+    x = da.from_array(np.arange(60).reshape(6, 10), chunks=(2, 5))
+    x = x[x[:, 0] >= 0]  # rows of unknown count per block
+    assert math.isnan(x.chunks[0][0])
+    with dask.config.set(MP):
+        y = x.rechunk({1: 2})
+    assert math.isnan(y.chunks[0][0]) and y.chunks[1] == (2,) * 5
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.arange(60).reshape(6, 10))
+
+
+def test_config_line_and_xarray_path() -> None:
+    x = da.arange(64, chunks=4).reshape(8, 8).rechunk((1, 8))
+    with dask.config.set(MP):
+        y = x.rechunk((8, 1))
+        z = da.rechunk(x, (8, 1))
+    assert y.name.startswith("mpshuffle-rechunk-") and z.name == y.name
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), np.arange(64).reshape(8, 8))
+    assert x.rechunk((8, 1)).name.startswith("rechunk-")  # other methods untouched
+    xr = pytest.importorskip("xarray")
+    arr = xr.DataArray(x, dims=("time", "space"))
+    with dask.config.set(MP):
+        out = arr.chunk({"time": -1, "space": 1})
+    assert out.data.name.startswith("mpshuffle-rechunk-")
+    np.testing.assert_array_equal(out.values, np.arange(64).reshape(8, 8))
+
+
+def test_refusals_are_clear(monkeypatch: pytest.MonkeyPatch) -> None:
+    masked = da.from_array(np.ma.masked_array(np.arange(16), mask=np.arange(16) % 3 == 0), chunks=4)
+    with pytest.raises(TypeError, match="numpy.ndarray blocks.*MaskedArray.*method='tasks'"):
+        masked.rechunk(8, method="mpshuffle")
+    for method in ("tasks", "mpshuffle"):  # Dask's checks, Dask's messages
+        with pytest.raises(ValueError, match="Chunks do not add up to shape"):
+            da.ones((4, 4), chunks=2).rechunk(((1, 2), (4,)), method=method)
+    with pytest.raises(TypeError, match="blah"):
+        da.ones((4, 4), chunks=2).rechunk({"blah": 2}, method="mpshuffle")
+    monkeypatch.setattr(dask, "__version__", "2099.1.0")
+    with pytest.raises(UnsupportedDaskError, match="2099.1.0"):
+        da.ones((4, 4), chunks=(1, 4)).rechunk((4, 1), method="mpshuffle")
+    da.ones((4, 4), chunks=(1, 4)).rechunk((4, 1), method="tasks")  # other methods unaffected
+
+
+def test_extract_tasks_are_not_fused() -> None:
+    """The scheduler plugin pins extract tasks by their keys: Dask's fusion must keep them."""
+    from dask.array.optimization import optimize
+
+    x = da.ones((8, 8), chunks=(1, 8))
+    y = x.rechunk((8, 1), method="mpshuffle")  # one block per partition: a fusable chain
+    s = (y + 1).sum(axis=0)
+    dsk = optimize(dict(s.__dask_graph__()), s.__dask_keys__())
+    extracts = [k for k in dsk if isinstance(k, tuple) and k[0].startswith("mpshuffle-rechunk-extract-")]
+    inserts = [k for k in dsk if isinstance(k, tuple) and k[0].startswith("mpshuffle-rechunk-insert-")]
+    assert len(extracts) >= 2 and len(inserts) == 8
+    assert all(dsk[k].key == k for k in extracts + inserts)  # the tasks themselves, not aliases
+
+
+def test_uninstall_restores_dask() -> None:
+    module = sys.modules["dask.array.rechunk"]  # the attribute dask.array.rechunk is the function
+    rechunk_module.uninstall()
+    try:
+        with pytest.raises(NotImplementedError, match="Unknown rechunking method 'mpshuffle'"):
+            da.ones(4, chunks=1).rechunk(2, method="mpshuffle")
+        assert not rechunk_module.installed()
+        assert module.rechunk is da.rechunk
+    finally:
+        rechunk_module.install()
+    assert rechunk_module.installed()
+
+
+@pytest.fixture
+def tiny_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalRuntime]:
+    with dask.config.set({"mpshuffle.spill_host": 64 * 2**10, "mpshuffle.spill_dir": str(tmp_path)}):
+        runtime = LocalRuntime()
+        monkeypatch.setattr(graph, "_LOCAL", runtime)
+        yield runtime
+        runtime.context.close()
+
+
+def test_past_the_budget_it_spills_and_cleans_up(tiny_budget: LocalRuntime, tmp_path: Path) -> None:
+    x = da.random.default_rng(3).random((16, 64, 64), chunks=(1, 64, 64))  # 512 KiB, 8x the budget
+    _check(x, (16, 8, 8))
+    ctx = tiny_budget.context
+    ((_, stats),) = list(ctx.history)
+    assert stats["bytes_spilled_disk"] > 0
+    assert stats["bytes_unspilled_disk"] == stats["bytes_spilled_disk"]
+    assert ctx.shufflers == {}
+    assert os.listdir(tmp_path) == []
+
+
+# -- on a LocalCluster ----------------------------------------------------
+
+
+def test_distributed_client_and_recompute(client: Client) -> None:
+    gen = bootstrap_dask_cluster(client)
+    x = da.random.default_rng(5).random((10, 12, 12), chunks=(1, 12, 12))
+    want = x.compute()
+    with dask.config.set(MP):
+        y = x.rechunk((10, 3, 4))
+    np.testing.assert_array_equal(y.compute(), want)
+    np.testing.assert_array_equal(y.compute(), want)  # computed again: a new run
+    persisted = y.persist()
+    np.testing.assert_array_equal(
+        persisted.rechunk((1, 12, 12), method="mpshuffle").compute(), want
+    )
+    runs = [r for rs in gather_statistics(client).values() for r in rs if r["generation"] == gen.id]
+    assert len({r["op_id"] for r in runs}) >= 3
+    assert sum(r["bytes_sent"] for r in runs) > 0  # pieces crossed between the two workers
+    state = client.run(worker_state)
+    assert all(s["shufflers"] == [] and s["spill"] == [] for s in state.values()), state
+
+
+def test_async_client(cluster: LocalCluster) -> None:
+    x = da.arange(4 * 6 * 5, chunks=30).reshape(4, 6, 5).rechunk((1, 6, 5))
+
+    async def main() -> Any:
+        async with Client(cluster.scheduler_address, asynchronous=True) as c:
+            return await c.compute(x.rechunk((4, 2, 5), method="mpshuffle"))
+
+    np.testing.assert_array_equal(asyncio.run(main()), np.arange(120).reshape(4, 6, 5))
+
+
+def test_suite_runner_switches_only_the_rechunk_method(tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "dask_suite" / "run_dask_tests.py"
+    spec = importlib.util.spec_from_file_location("run_dask_tests", path)
+    assert spec is not None and spec.loader is not None
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    dask_dir = Path(dask.__file__).parent
+    runner.prepare(dask_dir, tmp_path, "rechunk")
+    (rel,) = runner.RECHUNK_MODULES
+    assert (tmp_path / rel).read_text() == (dask_dir / rel).read_text()  # the module as shipped
+    conftest = (tmp_path / "conftest.py").read_text()
+    original = (dask_dir / "conftest.py").read_text()
+    assert conftest.startswith(original)
+    assert '_dask.config.set({"array.rechunk.method": _METHOD})' in conftest[len(original):]

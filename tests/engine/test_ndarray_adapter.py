@@ -1,0 +1,189 @@
+"""NDArrayAdapter and BlockPlan: cutting array blocks into rechunk pieces and assembling output blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpshuffle.comm import LocalCommunicator
+from mpshuffle.config import resolve_options
+from mpshuffle.errors import ShuffleError
+from mpshuffle.memory.pool import HostPool
+from mpshuffle.shuffler.context import WorkerContext
+from mpshuffle.table.ndarray import BlockPlan, NDArrayAdapter
+
+# One axis of 10 elements: input blocks (4, 6), output blocks (3, 3, 4).
+#   input 0 = [0, 4): output 0 takes 0:3 at 0, output 1 takes 3:4 at 0
+#   input 1 = [4, 10): output 1 takes 0:2 at 1, output 2 takes 2:6 at 0
+AXIS_A = (((0, 0, 3, 0), (1, 3, 4, 0)), ((1, 0, 2, 1), (2, 2, 6, 0)))
+# A second axis of 5 elements: input blocks (5,), output blocks (2, 3).
+AXIS_B = (((0, 0, 2, 0), (1, 2, 5, 0)),)
+PLAN = BlockPlan(cuts=(AXIS_A, AXIS_B), nout=(3, 2))
+
+
+def _blocks(full: np.ndarray) -> dict[tuple[int, int], np.ndarray]:
+    return {(0, 0): full[0:4, :], (1, 0): full[4:10, :]}
+
+
+def _rechunk(
+    full: np.ndarray, pool: HostPool | None = None, nranks: int = 1, plan: BlockPlan = PLAN
+) -> dict[int, np.ndarray]:
+    """Cut every block, group the pieces by output partition, assemble each; the output blocks."""
+    by_pid: dict[int, list] = {}
+    for rank in range(nranks):
+        for index, block in _blocks(full).items():
+            adapter = NDArrayAdapter(full.dtype, plan, index)
+            pieces = adapter.split_for(block, (), plan.npartitions, rank=rank, nranks=nranks, pool=pool)
+            assert sorted(pieces) == sorted({b // plan.per_partition for b, _, _ in plan.pieces(index)})
+            for pid, piece in pieces.items():
+                if pid % nranks == rank:
+                    by_pid.setdefault(pid, []).append(piece)
+    out = NDArrayAdapter(full.dtype)
+    blocks = {}
+    for pid, pieces in by_pid.items():
+        got = out.unpack(pieces, None)
+        assert sorted(got) == list(plan.blocks_of(pid))
+        blocks.update(got)
+    return blocks
+
+
+def _expected(full: np.ndarray) -> dict[int, np.ndarray]:
+    rows, cols = [(0, 3), (3, 6), (6, 10)], [(0, 2), (2, 5)]
+    return {
+        i * 2 + j: full[r0:r1, c0:c1] for i, (r0, r1) in enumerate(rows) for j, (c0, c1) in enumerate(cols)
+    }
+
+
+def test_plan_pieces_name_partition_slices_and_offsets() -> None:
+    got = list(PLAN.pieces((1, 0)))
+    assert got == [
+        (2, (slice(0, 2), slice(0, 2)), (1, 0)),
+        (3, (slice(0, 2), slice(2, 5)), (1, 0)),
+        (4, (slice(2, 6), slice(0, 2)), (0, 0)),
+        (5, (slice(2, 6), slice(2, 5)), (0, 0)),
+    ]
+    assert PLAN.npartitions == PLAN.nblocks == 6
+    three = BlockPlan(cuts=PLAN.cuts, nout=PLAN.nout, per_partition=4)
+    assert three.npartitions == 2 and list(three.blocks_of(1)) == [4, 5]
+    with pytest.raises(ValueError, match="per_partition must be >= 1"):
+        BlockPlan(cuts=PLAN.cuts, nout=PLAN.nout, per_partition=0)
+    with pytest.raises(ValueError, match="outside the group on axis 0"):
+        list(PLAN.pieces((2, 0)))
+    with pytest.raises(ValueError, match="has 1 axes"):
+        list(PLAN.pieces((0,)))
+    with pytest.raises(ValueError, match="output block 3 is outside"):
+        BlockPlan(cuts=(((( 3, 0, 1, 0),),),), nout=(3,))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["f4", ">i8", "bool", "c16", "M8[ns]", "U3", [("a", "i2"), ("b", "f8", (2,))], "O"],
+)
+def test_every_dtype_round_trips(dtype: object) -> None:
+    full = np.arange(50).reshape(10, 5).astype(dtype if dtype != "O" else "i8")
+    if dtype == "O":
+        full = full.astype(object)
+        full[3, 1] = {"nested": [1, 2]}
+    got = _rechunk(full)
+    for pid, want in _expected(full).items():
+        assert got[pid].dtype == full.dtype
+        assert got[pid].shape == want.shape
+        if full.dtype.hasobject:
+            assert got[pid].tolist() == want.tolist()
+        else:  # bytes as they lay (structured fields, byte order)
+            assert got[pid].tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+@pytest.mark.parametrize("per_partition", [2, 4, 6])
+def test_one_piece_per_partition_holds_the_cuts_of_its_blocks(per_partition: int) -> None:
+    plan = BlockPlan(cuts=PLAN.cuts, nout=PLAN.nout, per_partition=per_partition)
+    full = np.arange(50, dtype="u2").reshape(10, 5)
+    pieces = NDArrayAdapter(full.dtype, plan, (1, 0)).split(full[4:10], (), plan.npartitions)
+    assert sorted(pieces) == sorted({b // per_partition for b in (2, 3, 4, 5)})
+    for nranks in (1, 2):
+        got = _rechunk(full, nranks=nranks, plan=plan)
+        for b, want in _expected(full).items():
+            np.testing.assert_array_equal(got[b], want)
+
+
+def test_pieces_kept_and_sent_lie_in_separate_pooled_buffers() -> None:
+    pool = HostPool(limit=2**24)
+    full = np.arange(50, dtype="f8").reshape(10, 5)
+    block = _blocks(full)[(1, 0)]
+    pieces = NDArrayAdapter(full.dtype, PLAN, (1, 0)).split_for(block, (), 6, rank=0, nranks=2, pool=pool)
+
+    def base(pid: int) -> int:
+        return int(np.frombuffer(pieces[pid].data, np.uint8).ctypes.data) & ~(2**16 - 1)
+
+    # Partitions 2 and 4 stay on rank 0, 3 and 5 go to rank 1.
+    kept, sent = {base(2), base(4)}, {base(3), base(5)}
+    assert kept.isdisjoint(sent)
+    assert all(int(np.frombuffer(p.data, np.uint8).ctypes.data) % 64 == 0 for p in pieces.values())
+    for nranks in (1, 2, 3):
+        got = _rechunk(full, pool=pool, nranks=nranks)
+        for pid, want in _expected(full).items():
+            np.testing.assert_array_equal(got[pid], want)
+
+
+def test_zero_size_pieces_travel_and_assemble() -> None:
+    # Input blocks (2, 0, 3) -> output blocks (0, 5): the empty input reaches the empty output.
+    plan = BlockPlan(cuts=((((0, 0, 0, 0), (1, 0, 2, 0)), ((1, 0, 0, 2),), ((1, 0, 3, 2),)),), nout=(2,))
+    full = np.arange(5, dtype="i4")
+    blocks = [full[0:2], full[2:2], full[2:5]]
+    by_pid: dict[int, list] = {}
+    for i, block in enumerate(blocks):
+        for pid, piece in NDArrayAdapter(full.dtype, plan, (i,)).split(block, (), 2).items():
+            by_pid.setdefault(pid, []).append(piece)
+    out = NDArrayAdapter(full.dtype)
+    assert out.unpack(by_pid[0], None)[0].shape == (0,)
+    np.testing.assert_array_equal(out.unpack(by_pid[1], None)[1], full)
+
+
+def test_unknown_extent_is_read_from_the_block() -> None:
+    # stop -1: the piece runs to the block's end (an axis of unknown chunk size).
+    plan = BlockPlan(cuts=((((0, 0, -1, 0),),), (((0, 0, 2, 0), (1, 2, 4, 0)),)), nout=(1, 2))
+    block = np.arange(12).reshape(3, 4)
+    pieces = NDArrayAdapter(block.dtype, plan, (0, 0)).split(block, (), 2)
+    out = NDArrayAdapter(block.dtype)
+    np.testing.assert_array_equal(out.unpack([pieces[1]], None)[1], block[:, 2:4])
+
+
+def test_bad_blocks_and_missing_pieces_are_named() -> None:
+    full = np.arange(50, dtype="f8").reshape(10, 5)
+    adapter = NDArrayAdapter(full.dtype, PLAN, (0, 0))
+    with pytest.raises(ShuffleError, match="has dtype int64, the array declares float64"):
+        adapter.split(full[0:4].astype("i8"), (), 6)
+    with pytest.raises(ShuffleError, match="MaskedArray"):
+        adapter.split(np.ma.masked_array(full[0:4]), (), 6)
+    with pytest.raises(ShuffleError, match="extent 2 on axis 0"):
+        adapter.split(full[0:2], (), 6)
+    with pytest.raises(ShuffleError, match="needs its block plan"):
+        NDArrayAdapter(full.dtype).split(full, (), 6)
+    with pytest.raises(TypeError, match="cut by their rechunk plan"):
+        adapter.partition_ids(full, [], 6)
+    block1 = NDArrayAdapter(full.dtype, PLAN, (1, 0)).split(full[4:10], (), 6)
+    with pytest.raises(ShuffleError, match="do not cover it exactly once"):
+        # Output 2 takes row 3 from input 0 and rows 4:6 from input 1: give it input 1's piece only.
+        NDArrayAdapter(full.dtype).unpack([block1[2]], None)
+    with pytest.raises(ShuffleError, match="malformed header"):
+        NDArrayAdapter(full.dtype).unpack([type(block1[2])(b"x", b"", 0)], None)
+    with pytest.raises(ShuffleError, match="received no pieces"):
+        NDArrayAdapter(full.dtype).unpack([], None)
+
+
+def test_rechunk_pieces_move_through_a_host_run() -> None:
+    """The Shuffler takes the adapter like any frame's: insert_frame, barrier, extract."""
+    ctx = WorkerContext(LocalCommunicator(), "gen", resolve_options(), workers=("w0",))
+    try:
+        full = np.arange(50, dtype="i2").reshape(10, 5)
+        run = ctx.shuffler(1)
+        for i, (index, block) in enumerate(_blocks(full).items()):
+            run.insert_frame(i, block, NDArrayAdapter(full.dtype, PLAN, index), (), 6)
+        run.barrier(6)
+        out = NDArrayAdapter(full.dtype)
+        got = {b: a for pid in range(6) for b, a in out.unpack(run.extract(pid), None).items()}
+        for pid, want in _expected(full).items():
+            np.testing.assert_array_equal(got[pid], want)
+        assert run.closed and ctx.shufflers == {}
+    finally:
+        ctx.close()
