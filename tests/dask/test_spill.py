@@ -87,17 +87,17 @@ def test_local_disk_full_raises_spill_error_and_removes_files(
 ) -> None:
     from mpshuffle.memory import spill as spill_module
 
-    real = spill_module._write_all
+    real = spill_module._pwritev_all
     calls = {"n": 0}
 
-    def fills_up(f: Any, view: memoryview) -> None:
+    def fills_up(fd: int, parts: Any, at: int, want: int) -> None:
         # The first spills succeed, then the disk is full.
         calls["n"] += 1
         if calls["n"] > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(f, view)
+        real(fd, parts, at, want)
 
-    monkeypatch.setattr(spill_module, "_write_all", fills_up)
+    monkeypatch.setattr(spill_module, "_pwritev_all", fills_up)
     df = dd.from_pandas(_frame(), npartitions=6)
     with pytest.raises(SpillError) as info:
         shuffle(df, "k", npartitions=5).compute()
@@ -147,17 +147,17 @@ def test_cluster_shuffle_with_1mib_budget_spills_and_cleans_up(client: Any) -> N
 def _inject_disk_full(dask_worker: Any) -> None:
     from mpshuffle.memory import spill as spill_module
 
-    def full(f: Any, view: memoryview) -> None:
+    def full(fd: int, parts: Any, at: int, want: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    spill_module._real_write_all = spill_module._write_all  # type: ignore[attr-defined]
-    spill_module._write_all = full
+    spill_module._real_pwritev_all = spill_module._pwritev_all  # type: ignore[attr-defined]
+    spill_module._pwritev_all = full
 
 
 def _restore_disk(dask_worker: Any) -> None:
     from mpshuffle.memory import spill as spill_module
 
-    spill_module._write_all = spill_module._real_write_all  # type: ignore[attr-defined]
+    spill_module._pwritev_all = spill_module._real_pwritev_all  # type: ignore[attr-defined]
 
 
 def test_cluster_disk_full_names_worker_and_directory(client: Any) -> None:

@@ -13,6 +13,7 @@ import pytest
 from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
+from mpshuffle.memory.packed import packed_nbytes
 from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.table import PackedData
 
@@ -42,18 +43,19 @@ def test_reservations_account_use_and_peak() -> None:
 def test_postbox_keeps_within_budget_and_spills_the_rest(tmp_path: Any) -> None:
     res = BufferResource({MemoryType.HOST: 1000}, spill_dir=str(tmp_path), owner="rank 0 (worker w)")
     box = Postbox(res, "op1-r0")
-    p1 = _piece(range(50))  # 401 bytes
+    p1 = _piece(range(50))  # 400 bytes of data
     p2 = _piece(range(50, 100))
-    p3 = _piece(range(100, 200))  # 801 bytes: does not fit any more
+    p3 = _piece(range(100, 200))  # 800 bytes: does not fit any more
     box.add_chunk([(0, (0, 0, 0), p1), (1, (0, 0, 1), p2)])
     assert box.bytes_spilled == 0
-    assert res.used(MemoryType.HOST) == 802
+    # The two pieces share one metadata object: counted once.
+    assert res.used(MemoryType.HOST) == 801 == box.nbytes
     box.add_chunk([(0, (1, 0, 2), p3), (1, (1, 0, 3), p1)])
     assert box.bytes_spilled == 800 + 400
-    assert res.used(MemoryType.HOST) == 802
-    assert res.used(MemoryType.DISK) == 1200
+    assert res.used(MemoryType.HOST) == 801
+    assert res.used(MemoryType.DISK) == 1200 == box.nbytes_spilled
     spill_dir = tmp_path / "mpshuffle-op1-r0"
-    assert sorted(os.listdir(spill_dir)) == ["part-0.bin", "part-1.bin"]
+    assert os.listdir(spill_dir) == ["pieces.bin"]  # one file per rank, whatever the partitions
 
     got = box.pop(0)
     assert [np.frombuffer(p.data, np.int64).tolist() for p in got] == [list(range(50)), list(range(100, 200))]
@@ -62,12 +64,31 @@ def test_postbox_keeps_within_budget_and_spills_the_rest(tmp_path: Any) -> None:
     # Read-back buffers are 64-byte aligned, so Arrow uses them in place.
     assert np.frombuffer(got[1].data, np.uint8).ctypes.data % 64 == 0
     assert box.bytes_unspilled == 800
-    assert os.listdir(spill_dir) == ["part-1.bin"]
-    assert res.used(MemoryType.HOST) == 401
-    assert res.used(MemoryType.DISK) == 400
+    # Each chunk is accounted until its last piece is popped.
+    assert res.used(MemoryType.HOST) == 801
+    assert res.used(MemoryType.DISK) == 1200
+    got = box.pop(1)
+    assert [np.frombuffer(p.data, np.int64).tolist() for p in got] == [list(range(50, 100)), list(range(50))]
+    assert box.bytes_unspilled == 1200
+    assert res.used(MemoryType.HOST) == 0 and res.used(MemoryType.DISK) == 0
     box.clear()
     assert not spill_dir.exists()
     assert res.used(MemoryType.HOST) == 0 and res.used(MemoryType.DISK) == 0
+
+
+def test_spilled_chunks_of_many_partitions_share_one_file_read_back_by_range(tmp_path: Any) -> None:
+    res = BufferResource({MemoryType.HOST: 0}, spill_dir=str(tmp_path))
+    box = Postbox(res, "many")
+    nparts, ninputs = 300, 4
+    for i in range(ninputs):
+        box.add_chunk([(p, (i, 0, p), _piece([i, p] * (1 + p % 3))) for p in range(nparts)])
+    assert os.listdir(tmp_path / "mpshuffle-many") == ["pieces.bin"]
+    for p in reversed(range(nparts)):
+        got = box.pop(p)
+        assert [np.frombuffer(x.data, np.int64).tolist() for x in got] == [[i, p] * (1 + p % 3) for i in range(ninputs)]
+    assert res.used(MemoryType.DISK) == 0
+    box.clear()
+    assert os.listdir(tmp_path) == []
 
 
 def test_pieces_of_a_partition_come_back_in_order_across_memory_and_disk(tmp_path: Any) -> None:
@@ -98,12 +119,12 @@ def test_disk_full_while_spilling_names_directory_and_owner_and_removes_files(
     res = BufferResource({MemoryType.HOST: 10}, spill_dir=str(tmp_path), owner="rank 1 (worker tcp://h:1)")
     box = Postbox(res, "op7-r1")
     box.add(0, 0, _piece(range(100)))  # spilled fine
-    assert os.listdir(tmp_path / "mpshuffle-op7-r1") == ["part-0.bin"]
+    assert os.listdir(tmp_path / "mpshuffle-op7-r1") == ["pieces.bin"]
 
-    def full(f: Any, view: memoryview) -> None:
+    def full(fd: int, parts: Any, at: int, want: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(spill_module, "_write_all", full)
+    monkeypatch.setattr(spill_module, "_pwritev_all", full)
     with pytest.raises(SpillError) as info:
         box.add(1, 0, _piece(range(100)))
     msg = str(info.value)
@@ -181,10 +202,10 @@ def test_insert_keeps_at_most_one_chunk_in_flight_per_destination(tmp_path: Any)
     assert comm.most_in_flight == 1
     assert comm.in_flight == {0: 0, 1: 0}
     # The pieces were accounted while insert held them, and released after.
-    assert res.peak(MemoryType.HOST) == sum(p.nbytes for p in pieces.values())
+    assert res.peak(MemoryType.HOST) == packed_nbytes(pieces.values())
     assert res.used(MemoryType.HOST) == 0
-    assert s.statistics["bytes_inserted"] == sum(p.nbytes for p in pieces.values())
-    assert s.statistics["bytes_sent"] == sum(p.nbytes for pid, p in pieces.items() if pid % 2 == 1)
+    assert s.statistics["bytes_inserted"] == sum(len(p.data) for p in pieces.values())
+    assert s.statistics["bytes_sent"] == sum(len(p.data) for pid, p in pieces.items() if pid % 2 == 1)
     s.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import subprocess
 import sys
@@ -94,7 +95,11 @@ def _frame(n: int = 20_000) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("adapter", [PandasAdapter(), ArrowAdapter()], ids=["pandas", "pyarrow"])
-def test_split_for_keeps_pieces_apart_and_equal_to_split(adapter: object) -> None:
+def test_split_for_keeps_pieces_apart_and_equal_to_split(adapter: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpshuffle.table import _columns
+
+    # Every kept piece in a group of its own (small groups of neighbours share a block otherwise).
+    monkeypatch.setattr(_columns, "KEPT_GROUP_BYTES", 1)
     frame = _frame()
     if isinstance(adapter, ArrowAdapter):
         import pyarrow as pa
@@ -111,8 +116,12 @@ def test_split_for_keeps_pieces_apart_and_equal_to_split(adapter: object) -> Non
         assert a.equals(b)
     kept = {p: v for p, v in pooled.items() if p % 3 == 1}
     sent = {p: v for p, v in pooled.items() if p % 3 != 1}
-    # The sent pieces share one block; every kept piece has one of its own.
-    assert len({v.data.parent.address for v in sent.values()}) == 1
+    # The sent pieces share one block per destination, each destination's
+    # pieces one contiguous range; every kept piece has one of its own.
+    assert len({v.data.parent.address for v in sent.values()}) == 2
+    for dest in (0, 2):
+        ranges = sorted((v.data.address, v.data.size) for p, v in sent.items() if p % 3 == dest)
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
     assert len({v.data.parent.address for v in kept.values()}) == len(kept)
     del pooled, plain, sent, a, b  # b may be a zero-copy view of a sent piece
     gc.collect()
@@ -145,14 +154,26 @@ def test_worker_processes_get_the_system_allocator_unless_the_user_chose(chosen:
 
 
 @pytest.mark.parametrize(("npartitions", "rank", "nranks"), [(60, 0, 2), (7, 2, 3), (1000, 1, 2), (5, 0, 1)])
-def test_owner_groups_keep_each_kept_partition_apart(npartitions: int, rank: int, nranks: int) -> None:
-    from mpshuffle.table._columns import KEPT_GROUPS, owner_groups
+@pytest.mark.parametrize("piece_bytes", [0, 100, 2**18, 2**21])
+def test_owner_groups_share_blocks_by_bytes_and_destination(
+    npartitions: int, rank: int, nranks: int, piece_bytes: int
+) -> None:
+    from mpshuffle.table._columns import KEPT_GROUP_BYTES, KEPT_GROUPS, owner_groups
 
-    groups = owner_groups(npartitions, rank, nranks)
-    kept = np.arange(npartitions) % nranks == rank
-    sent_groups = set(groups[~kept].tolist())
-    assert len(sent_groups) <= 1 and not sent_groups & set(groups[kept].tolist())
+    sizes = np.full(npartitions, piece_bytes, np.int64)
+    groups = owner_groups(sizes, rank, nranks)
+    dest = np.arange(npartitions) % nranks
+    kept = dest == rank
+    # One group per other destination, apart from the kept groups.
+    for d in set(range(nranks)) - {rank}:
+        assert len(set(groups[dest == d].tolist())) <= 1
+    assert len(set(groups[~kept].tolist())) == len(set(dest[~kept].tolist()))
+    assert not set(groups[~kept].tolist()) & set(groups[kept].tolist())
     kept_groups = groups[kept]
     n = len(set(kept_groups.tolist()))
-    assert n == kept.sum() if kept.sum() <= KEPT_GROUPS else KEPT_GROUPS // 2 < n <= KEPT_GROUPS
-    assert np.all(np.diff(kept_groups) >= 0)  # neighbours share when they must
+    m = int(kept.sum())
+    target = max(KEPT_GROUP_BYTES, -(-m * piece_bytes // KEPT_GROUPS))
+    assert n <= KEPT_GROUPS
+    # A kept piece starts a group when the bytes before it cross a multiple of the target.
+    assert n == len({k * piece_bytes // target for k in range(m)})
+    assert np.all(np.diff(kept_groups) >= 0)  # neighbours share

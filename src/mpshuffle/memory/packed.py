@@ -7,11 +7,11 @@ layer holds, counts and spills it without knowing any frame type.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PackedData"]
+__all__ = ["PackedData", "packed_nbytes"]
 
 # The first frame of ``to_frames`` is this prefix (nrows, little-endian uint64)
 # followed by the adapter's metadata, so a receiver needs no side channel to
@@ -96,3 +96,29 @@ class PackedData:
             )
         (nrows,) = _NROWS.unpack_from(header)
         return cls(metadata=bytes(header[_NROWS.size :]), data=frames[1], nrows=int(nrows))
+
+
+def packed_nbytes(pieces: Iterable[PackedData]) -> int:
+    """Bytes that ``pieces`` hold together: every piece's data, and each distinct metadata once.
+
+    The pieces of one insert share one metadata object (an adapter's schema
+    and layout, a few hundred bytes to a few KiB), so ``sum(p.nbytes)``
+    would count it once per piece; here it counts once per object.
+
+    Parameters
+    ----------
+    pieces
+        Any pieces.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    total = 0
+    seen: dict[int, int] = {}
+    for p in pieces:
+        total += _buffer_size(p.data)
+        if id(p.metadata) not in seen:
+            seen[id(p.metadata)] = len(p.metadata)
+    return total + sum(seen.values())

@@ -3,9 +3,15 @@
 Pieces are kept in memory while the host use of the worker's
 :class:`BufferResource` stays within its budget; a chunk that would pass the
 budget is written to the run's :class:`SpillDirectory` instead, as its packed
-buffers (no per-row work), and read back when its partition is popped.
+buffers (no per-row work, one ``writev`` into the rank's one spill file),
+and its pieces' byte ranges are read back when their partition is popped.
 A chunk's pieces usually share one receive buffer, so a chunk is kept or
 spilled as a whole: keeping a single piece would pin the whole buffer.
+
+What a chunk costs does not grow with its number of pieces beyond a list
+entry each: one reservation per chunk (given back when its last piece is
+popped), metadata counted once per distinct object
+(:func:`~mpshuffle.memory.packed.packed_nbytes`).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mpshuffle.errors import SpillError
-from mpshuffle.memory.packed import PackedData
+from mpshuffle.memory.packed import PackedData, packed_nbytes
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 
@@ -24,7 +30,7 @@ __all__ = ["Postbox"]
 
 
 class _Spilled:
-    """Index entry of a spilled piece: where its buffer is in the partition's file."""
+    """Index entry of a spilled piece: where its buffer is in the rank's spill file."""
 
     __slots__ = ("metadata", "nbytes", "nrows", "offset")
 
@@ -35,11 +41,29 @@ class _Spilled:
         self.nbytes = nbytes
 
 
+class _Share:
+    """One chunk's reservation, given back when the last of its ``left`` pieces is popped."""
+
+    __slots__ = ("left", "reservation")
+
+    def __init__(self, reservation: Reservation, left: int) -> None:
+        self.reservation = reservation
+        self.left = left
+
+    def done(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left <= 0:
+            self.reservation.release()
+
+
+_Entry = tuple[Any, "PackedData | _Spilled", _Share]
+
+
 class Postbox:
     """Pieces of this rank's output partitions, keyed by partition id.
 
-    Every piece held in memory is accounted as host memory in the
-    :class:`BufferResource`; spilled pieces are accounted as disk.
+    Every chunk held in memory is accounted as host memory in the
+    :class:`BufferResource`; spilled chunks are accounted as disk.
 
     Parameters
     ----------
@@ -61,9 +85,10 @@ class Postbox:
         self.resource = resource
         self.name = name
         self.spill = SpillDirectory(resource.spill_path(name), owner=resource.owner)
-        self._pieces: dict[int, list[tuple[Any, PackedData | _Spilled, Reservation]]] = {}
+        self._pieces: dict[int, list[_Entry]] = {}
         self._lock = threading.Lock()
         self._error: SpillError | None = None
+        self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
         self.bytes_spilled = 0
         self.bytes_unspilled = 0
         self.seconds_spill = 0.0
@@ -96,32 +121,35 @@ class Postbox:
         """
         if self._error is not None:
             raise self._error
-        nbytes = sum(piece.nbytes for _, _, piece in entries)
+        if not entries:
+            return
+        nbytes = packed_nbytes(piece for _, _, piece in entries)
         available = self.resource.available(MemoryType.HOST)
         if available is None or nbytes <= available or not nbytes:
-            self._keep(entries)
+            with self._lock:
+                share = _Share(self.resource.reserve(MemoryType.HOST, nbytes), len(entries))
+                self._held[MemoryType.HOST] += nbytes
+                for pid, order, piece in entries:
+                    self._pieces.setdefault(pid, []).append((order, piece, share))
             return
         t0 = time.perf_counter()
         try:
-            spilled = [
-                (pid, order, _Spilled(piece.metadata, piece.nrows, *self.spill.write(pid, piece.data)))
-                for pid, order, piece in entries
-            ]
+            offsets = self.spill.append([piece.data for _, _, piece in entries])
         except SpillError as e:
             self._fail(e)
             raise
         self.seconds_spill += time.perf_counter() - t0
+        spilled = [
+            (pid, order, _Spilled(piece.metadata, piece.nrows, offset, _size(piece.data)))
+            for (pid, order, piece), offset in zip(entries, offsets, strict=True)
+        ]
+        disk = sum(record.nbytes for _, _, record in spilled)
         with self._lock:
+            share = _Share(self.resource.reserve(MemoryType.DISK, disk), len(spilled))
+            self._held[MemoryType.DISK] += disk
             for pid, order, record in spilled:
-                reservation = self.resource.reserve(MemoryType.DISK, record.nbytes)
-                self._pieces.setdefault(pid, []).append((order, record, reservation))
-                self.bytes_spilled += record.nbytes
-
-    def _keep(self, entries: Sequence[tuple[int, Any, PackedData]]) -> None:
-        with self._lock:
-            for pid, order, piece in entries:
-                reservation = self.resource.reserve(MemoryType.HOST, piece.nbytes)
-                self._pieces.setdefault(pid, []).append((order, piece, reservation))
+                self._pieces.setdefault(pid, []).append((order, record, share))
+            self.bytes_spilled += disk
 
     def _fail(self, error: SpillError) -> None:
         self._error = error
@@ -133,8 +161,8 @@ class Postbox:
         ``keep(order)``, if given, selects the pieces to return; the others
         are dropped (and not read back from disk).
 
-        Spilled pieces are read back (one read of the partition's file) and
-        returned as zero-copy slices of that buffer.
+        Spilled pieces are read back (one read of each piece's byte range,
+        all into one buffer) and returned as zero-copy slices of that buffer.
 
         Raises
         ------
@@ -145,65 +173,63 @@ class Postbox:
             raise self._error
         with self._lock:
             entries = self._pieces.pop(partition_id, [])
-        if keep is not None:
-            dropped = [e for e in entries if not keep(e[0])]
-            for _, _, reservation in dropped:
-                reservation.release()
-            if dropped:
-                entries = [e for e in entries if keep(e[0])]
-        if any(isinstance(e[1], _Spilled) for e in entries):
+            if keep is not None:
+                dropped = [e for e in entries if not keep(e[0])]
+                if dropped:
+                    self._done(dropped)
+                    entries = [e for e in entries if keep(e[0])]
+        spilled = [(k, e[1]) for k, e in enumerate(entries) if isinstance(e[1], _Spilled)]
+        if spilled:
             t0 = time.perf_counter()
-            spilled = sum(item.nbytes for _, item, _ in entries if isinstance(item, _Spilled))
             try:
-                buf = self.spill.read(partition_id)
+                buf, positions = self.spill.read_ranges([(r.offset, r.nbytes) for _, r in spilled])
             except SpillError as e:
-                for _, _, reservation in entries:
-                    reservation.release()
+                with self._lock:
+                    self._done(entries)
                 self._fail(e)
                 raise
             self.seconds_unspill += time.perf_counter() - t0
-            entries = [
-                (order, _unspill(item, buf), res) if isinstance(item, _Spilled) else (order, item, res)
-                for order, item, res in entries
-            ]
-            self.bytes_unspilled += spilled
+            for (k, record), at in zip(spilled, positions, strict=True):
+                order, _, share = entries[k]
+                piece = PackedData(record.metadata, buf[at : at + record.nbytes], record.nrows)  # type: ignore[union-attr]
+                entries[k] = (order, piece, share)
+                self.bytes_unspilled += record.nbytes  # type: ignore[union-attr]
         entries.sort(key=lambda e: e[0])
-        out = [piece for _, piece, _ in entries]
-        for _, _, reservation in entries:
-            reservation.release()
-        return out  # type: ignore[return-value]
+        with self._lock:
+            self._done(entries)
+        return [piece for _, piece, _ in entries]  # type: ignore[misc]
+
+    def _done(self, entries: Sequence[_Entry]) -> None:
+        """Count ``entries`` as gone from their chunks (under the lock)."""
+        for _, item, share in entries:
+            before = share.reservation.nbytes
+            share.done()
+            if before and not share.reservation.nbytes:
+                self._held[share.reservation.memory_type] -= before
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory by the postbox (spilled pieces not counted)."""
+        """Bytes of the chunks held in memory (spilled ones not counted; a chunk counts until its last piece is popped)."""
         with self._lock:
-            return sum(
-                p.nbytes for entries in self._pieces.values() for _, p, _ in entries
-                if isinstance(p, PackedData)
-            )
+            return self._held[MemoryType.HOST]
 
     @property
     def nbytes_spilled(self) -> int:
-        """Bytes of pieces currently on disk."""
+        """Bytes of the chunks on disk whose pieces are not all popped yet."""
         with self._lock:
-            return sum(
-                p.nbytes for entries in self._pieces.values() for _, p, _ in entries
-                if isinstance(p, _Spilled)
-            )
+            return self._held[MemoryType.DISK]
 
     def clear(self) -> None:
         """Drop every piece, release its memory and delete the spill files. Idempotent."""
         with self._lock:
-            entries = [e for es in self._pieces.values() for e in es]
+            shares = {id(share): share for es in self._pieces.values() for _, _, share in es}
             self._pieces.clear()
-        for _, _, reservation in entries:
-            reservation.release()
+            for share in shares.values():
+                share.reservation.release()
+            self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
         self.spill.remove()
 
 
-def _unspill(record: _Spilled, buf: memoryview) -> PackedData:
-    return PackedData(
-        metadata=record.metadata,
-        data=buf[record.offset : record.offset + record.nbytes],
-        nrows=record.nrows,
-    )
+def _size(data: Any) -> int:
+    size = getattr(data, "size", None)
+    return size if isinstance(size, int) else memoryview(data).nbytes

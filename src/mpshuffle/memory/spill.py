@@ -1,12 +1,22 @@
 """Spill files: one run's received buffers on disk, written and read back as they are.
 
 A :class:`SpillDirectory` is one directory per run and rank (created on the
-first spill). It keeps one append-only file per output partition and writes
-each piece's bulk buffer into it unchanged, at an offset that is a multiple
-of :data:`ALIGNMENT` bytes, so that reading a partition back is one
-``readinto`` of the whole file into one aligned buffer and every piece is a
-zero-copy slice of it. No row is looked at on the way out or back; the small
-per-piece metadata stays in memory with the postbox's index.
+first spill). It offers two layouts, each writing buffers unchanged at
+offsets that are multiples of :data:`ALIGNMENT` bytes (so what is read back
+is aligned and used in place), no row looked at on the way out or back, the
+small per-piece metadata staying in memory with its owner's index:
+
+* **one file per rank** (:meth:`SpillDirectory.append`,
+  :meth:`SpillDirectory.read_ranges`): every buffer of the run goes to one
+  append-only file, kept open, a chunk's buffers in one ``writev``; reading
+  a partition back reads its pieces' byte ranges (one ``preadv`` each)
+  into one aligned buffer. One open file whatever the number of output
+  partitions; the file's space is given back when the run ends. The host
+  path's postbox uses this.
+* **one file per partition** (:meth:`SpillDirectory.write`,
+  :meth:`SpillDirectory.read`): reading a partition back is one
+  ``readinto`` of its whole file, deleted at once. The device path uses
+  this for its few, large per-partition buffers.
 
 Ownership. Before a directory is created, its owner takes an exclusive
 ``flock`` on a sibling lock file ``<directory>.lock`` and holds it until the
@@ -26,6 +36,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -78,6 +89,8 @@ class SpillDirectory:
         self._lock = threading.Lock()
         self._removed = False
         self._owner_fd: int | None = None
+        self._fd: int | None = None  # the one file of append/read_ranges
+        self._end = 0
 
     def _error(self, action: str, e: OSError) -> SpillError:
         who = f" on {self.owner}" if self.owner else ""
@@ -166,12 +179,113 @@ class SpillDirectory:
             self.nbytes -= size
         return buf
 
+    def append(self, buffers: Sequence[object]) -> list[int]:
+        """Append ``buffers`` to the rank's one file, each at an :data:`ALIGNMENT`-aligned offset.
+
+        Parameters
+        ----------
+        buffers
+            Buffer-protocol objects, written as they are (in ``writev`` calls
+            of up to 512 buffers, padding included).
+
+        Returns
+        -------
+        list of int
+            The offset of each buffer in the file, in bytes; read them back
+            with :meth:`read_ranges`.
+
+        Raises
+        ------
+        SpillError
+            As :meth:`write`.
+        """
+        views = [memoryview(b).cast("B") for b in buffers]  # type: ignore[arg-type]
+        with self._lock:
+            if self._removed:
+                raise SpillError(f"spill directory {self.path} on {self.owner} was already removed")
+            offsets = []
+            parts: list[memoryview | bytes] = []
+            end = self._end
+            for view in views:
+                pad = (-end) % ALIGNMENT
+                if pad:
+                    parts.append(_ZEROS[:pad])
+                    end += pad
+                offsets.append(end)
+                parts.append(view)
+                end += view.nbytes
+            try:
+                if self._fd is None:
+                    if self._owner_fd is None:
+                        self._owner_fd = _own(self.path)
+                    os.makedirs(self.path, exist_ok=True)
+                    self._fd = os.open(os.path.join(self.path, "pieces.bin"), os.O_RDWR | os.O_CREAT, 0o600)
+                at = self._end
+                for k in range(0, len(parts), _IOV):
+                    group = parts[k : k + _IOV]
+                    want = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in group)
+                    _pwritev_all(self._fd, group, at, want)
+                    at += want
+            except OSError as e:
+                raise self._error("write to", e) from e
+            self.nbytes += end - self._end
+            self._end = end
+        return offsets
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> tuple[memoryview, list[int]]:
+        """Read byte ranges of the rank's one file (from :meth:`append`) into one aligned buffer.
+
+        Parameters
+        ----------
+        ranges
+            ``(offset, nbytes)`` of each range.
+
+        Returns
+        -------
+        buffer, positions
+            The buffer and where each range starts in it (multiples of
+            :data:`ALIGNMENT`). The file keeps the bytes (its space is freed
+            with the directory): the caller reads each range once and
+            accounts for the disk it releases.
+
+        Raises
+        ------
+        SpillError
+            If the file cannot be read or ends early.
+        """
+        positions = []
+        total = 0
+        for _, nbytes in ranges:
+            positions.append(total)
+            total += nbytes + (-nbytes) % ALIGNMENT
+        buf = _aligned_empty(total)
+        with self._lock:
+            fd = self._fd
+            if fd is None:
+                if ranges:
+                    raise SpillError(f"spill directory {self.path} on {self.owner} has no spill file")
+                return buf, positions
+            try:
+                for (offset, nbytes), at in zip(ranges, positions, strict=True):
+                    got = 0
+                    while got < nbytes:
+                        n = os.preadv(fd, [buf[at + got : at + nbytes]], offset + got)
+                        if not n:
+                            raise OSError(errno.EIO, f"spill file in {self.path} ends before byte {offset + nbytes}")
+                        got += n
+            except OSError as e:
+                raise self._error("read from", e) from e
+        return buf, positions
+
     def remove(self) -> None:
         """Delete the directory and every file in it; later writes fail. Idempotent."""
         with self._lock:
             self._removed = True
             self._sizes.clear()
             self.nbytes = 0
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
             shutil.rmtree(self.path, ignore_errors=True)
             if self._owner_fd is not None:
                 _disown(self.path, self._owner_fd)
@@ -179,6 +293,33 @@ class SpillDirectory:
 
     def _file(self, partition_id: int) -> str:
         return os.path.join(self.path, f"part-{partition_id}.bin")
+
+
+# Buffers per writev: below Linux's IOV_MAX (1024).
+_IOV = 512
+_ZEROS = bytes(ALIGNMENT)
+
+
+def _pwritev_all(fd: int, parts: Sequence[memoryview | bytes], at: int, want: int) -> None:
+    """``os.pwritev`` until all of ``parts`` (``want`` bytes) is written at offset ``at``."""
+    done = 0
+    while done < want:
+        n = os.pwritev(fd, parts, at + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+        if done < want:
+            # Skip what was written: rebuild the remaining parts.
+            rest: list[memoryview | bytes] = []
+            skip = n
+            for b in parts:
+                size = len(b) if isinstance(b, bytes) else b.nbytes
+                if skip >= size:
+                    skip -= size
+                    continue
+                rest.append(memoryview(b)[skip:] if skip else b)
+                skip = 0
+            parts = rest
 
 
 def _write_all(f: object, view: memoryview) -> None:

@@ -17,6 +17,15 @@ position, so output rows come in a deterministic order.
 
 Message tags: ``("mps", op_id, kind)`` with kind ``"chunk"``, ``"finish"``,
 ``"inputs-done"`` or ``"inputs-done-ack"``.
+
+A chunk is the pieces of one input partition for one destination, as one
+message whatever their number: a small header (every piece's partition,
+row count, metadata and byte range as arrays), each distinct metadata once
+(the pieces of one insert share theirs), then the data as few frames as
+the pieces' memory allows (the pieces :func:`~mpshuffle.table._columns.pack`
+writes for one destination are one contiguous range: one frame). So
+thousands of tiny pieces cost a few array operations, not a header, two
+frames and a message part each.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
+import numpy as np
+import pyarrow as pa
 
 from mpshuffle.errors import (
     CommError,
@@ -37,6 +48,7 @@ from mpshuffle.errors import (
     SpillError,
 )
 from mpshuffle.memory import BufferResource, MemoryType, Postbox
+from mpshuffle.memory.packed import packed_nbytes
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import PackedData, partition_owner
 
@@ -156,8 +168,8 @@ class Shuffler(Run):
             raise ShuffleError(f"insert after insert_finished in shuffle op {self.op_id}")
         t0 = time.perf_counter()
         nranks, timeout = self.comm.nranks, self.timeout
-        total = sum(p.nbytes for p in pieces.values())
-        reservation = self.postbox.resource.reserve(MemoryType.HOST, total)
+        reservation = self.postbox.resource.reserve(MemoryType.HOST, packed_nbytes(pieces.values()))
+        total = 0
         batches: dict[int, list[tuple[int, PackedData]]] = {}
         sizes: dict[int, int] = {}
         in_flight: dict[int, Any] = {}
@@ -165,7 +177,9 @@ class Shuffler(Run):
             for pid, packed in pieces.items():
                 dest = partition_owner(pid, nranks)
                 batches.setdefault(dest, []).append((pid, packed))
-                sizes[dest] = sizes.get(dest, 0) + packed.nbytes
+                nbytes = _data_size(packed)
+                total += nbytes
+                sizes[dest] = sizes.get(dest, 0) + nbytes
                 if sizes[dest] >= self._batch_bytes:
                     self._send_after(in_flight, dest, (input_index, attempt), batches.pop(dest), timeout)
                     sizes[dest] = 0
@@ -220,15 +234,8 @@ class Shuffler(Run):
 
     def _send_chunk(self, dest: int, source: tuple[int, str], batch: list[tuple[int, PackedData]]) -> Any:
         input_index, attempt = source
-        header: list[Any] = []
-        frames: list[Any] = [b""]
-        nbytes = 0
-        for pid, packed in batch:
-            header.append((pid, input_index, attempt, self._seq, packed.nrows))
-            self._seq += 1
-            frames.extend(packed.to_frames())
-            nbytes += packed.nbytes
-        frames[0] = msgpack.packb(header)
+        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, batch)
+        self._seq += len(batch)
         with self._lock:
             self._sent[dest] += 1
             self.statistics["chunks_sent"] += 1
@@ -241,13 +248,8 @@ class Shuffler(Run):
         """Handle one message of this run (called on the progress thread)."""
         kind = tag[2]
         if kind == "chunk":
-            header = msgpack.unpackb(frames[0])
-            per_piece = (len(frames) - 1) // max(len(header), 1)
-            entries = []
-            for k, (pid, input_index, attempt, seq, _nrows) in enumerate(header):
-                piece = PackedData.from_frames(frames[1 + k * per_piece : 1 + (k + 1) * per_piece])
-                entries.append((pid, (input_index, attempt, src, seq), piece))
-            nbytes = sum(piece.nbytes for _, _, piece in entries)
+            entries = _chunk_entries(src, frames)
+            nbytes = sum(_data_size(piece) for _, _, piece in entries)
             if self._error is None and not self._closed:
                 try:
                     # Spilling happens here, on the progress thread: while it
@@ -412,3 +414,81 @@ class Shuffler(Run):
 
     def _finish(self) -> None:
         self.close()
+
+
+def _data_size(piece: PackedData) -> int:
+    data = piece.data
+    size = getattr(data, "size", None)
+    return size if isinstance(size, int) else memoryview(data).nbytes
+
+
+def _chunk_frames(
+    input_index: int, attempt: str, seq: int, batch: Sequence[tuple[int, PackedData]]
+) -> tuple[list[Any], int]:
+    """The frames of one chunk (see the module docstring) and its data bytes."""
+    n = len(batch)
+    pids = np.empty(n, np.int64)
+    nrows = np.empty(n, np.int64)
+    meta_of = np.empty(n, np.int32)
+    frame_of = np.empty(n, np.int32)
+    offset = np.zeros(n, np.int64)
+    size = np.empty(n, np.int64)
+    metas: dict[int, int] = {}
+    meta_frames: list[Any] = []
+    data_frames: list[Any] = []
+    # The current run of adjacent pieces of one parent buffer: (parent, start address, end address).
+    run: tuple[Any, int, int] | None = None
+    for k, (pid, packed) in enumerate(batch):
+        pids[k] = pid
+        nrows[k] = packed.nrows
+        m = metas.get(id(packed.metadata))
+        if m is None:
+            m = metas[id(packed.metadata)] = len(meta_frames)
+            meta_frames.append(packed.metadata)
+        meta_of[k] = m
+        data = packed.data
+        nbytes = _data_size(packed)
+        size[k] = nbytes
+        parent = getattr(data, "parent", None) if isinstance(data, pa.Buffer) else None
+        if parent is not None and run is not None and run[0] is parent and run[2] == data.address:
+            offset[k] = data.address - run[1]
+            run = (parent, run[1], data.address + nbytes)
+        else:
+            if run is not None:
+                data_frames.append(run[0].slice(run[1] - run[0].address, run[2] - run[1]))
+                run = None
+            if parent is not None:
+                run = (parent, data.address, data.address + nbytes)
+            else:
+                data_frames.append(data)
+                frame_of[k] = len(data_frames) - 1
+                continue
+        frame_of[k] = len(data_frames)  # the run's, appended when it ends
+    if run is not None:
+        data_frames.append(run[0].slice(run[1] - run[0].address, run[2] - run[1]))
+    header = msgpack.packb({
+        "input": input_index, "attempt": attempt, "seq": seq, "metas": len(meta_frames),
+        "pids": pids.tobytes(), "nrows": nrows.tobytes(), "meta_of": meta_of.tobytes(),
+        "frame_of": frame_of.tobytes(), "offset": offset.tobytes(), "size": size.tobytes(),
+    })
+    return [header, *meta_frames, *data_frames], int(size.sum())
+
+
+def _chunk_entries(src: int, frames: Frames) -> list[tuple[int, tuple[Any, ...], PackedData]]:
+    """``(partition, order, piece)`` of every piece of a received chunk; the data stays in the frames."""
+    header = msgpack.unpackb(frames[0])
+    nmetas = header["metas"]
+    metas = [bytes(f) for f in frames[1 : 1 + nmetas]]
+    data = [f if isinstance(f, pa.Buffer) else pa.py_buffer(f) for f in frames[1 + nmetas :]]
+    pids = np.frombuffer(header["pids"], np.int64).tolist()
+    nrows = np.frombuffer(header["nrows"], np.int64).tolist()
+    meta_of = np.frombuffer(header["meta_of"], np.int32).tolist()
+    frame_of = np.frombuffer(header["frame_of"], np.int32).tolist()
+    offset = np.frombuffer(header["offset"], np.int64).tolist()
+    size = np.frombuffer(header["size"], np.int64).tolist()
+    input_index, attempt, seq = header["input"], header["attempt"], header["seq"]
+    return [
+        (pids[k], (input_index, attempt, src, seq + k),
+         PackedData(metas[meta_of[k]], data[frame_of[k]].slice(offset[k], size[k]), nrows[k]))
+        for k in range(len(pids))
+    ]

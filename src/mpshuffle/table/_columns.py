@@ -18,10 +18,12 @@ The insert of a frame with ``n`` rows into ``P`` partitions is:
    laid out as Arrow buffers (validity bitmap, offsets, data). The pieces are
    zero-copy slices of that buffer: there is no serialization copy.
 
-A piece's metadata (:class:`Layout` bytes) is the schema and column layout
-shared by all pieces of one insert, then the piece's own buffer offsets.
-:func:`read_piece` rebuilds a zero-copy ``pyarrow.Table`` from it (and
-unpickles pickled columns).
+A piece's metadata is the schema and column layout, one ``bytes`` object
+shared by all pieces of one insert (sent once per chunk); the piece's data
+starts with its own buffer offsets. :func:`read_piece` rebuilds a zero-copy
+``pyarrow.Table`` from a piece (and unpickles pickled columns);
+:func:`gather` concatenates many pieces column by column in one compiled
+pass per buffer, without a table per piece.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "Column",
     "Split",
     "arrow_columns",
+    "gather",
     "hash_ids",
     "is_cols",
     "key_columns",
@@ -70,6 +73,8 @@ COLS = b"MPSC\x01"
 _U32 = struct.Struct("<I")
 _ALIGN = 64
 _WORD = 8
+#: Average bytes per piece below which buffers inside pieces are 8-byte, not 64-byte, aligned.
+_SMALL_PIECE = 4096
 _NS_PER_UNIT = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
 _NS_PER_DAY = 86_400 * 1_000_000_000
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -347,8 +352,8 @@ def _words(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
     return np.lib.stride_tricks.as_strided(base, shape=(n,), strides=(1,))
 
 
-def _aligned(sizes: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    return (sizes + (_ALIGN - 1)) & ~(_ALIGN - 1)
+def _aligned(sizes: npt.NDArray[np.int64], align: int = _ALIGN) -> npt.NDArray[np.int64]:
+    return (sizes + (align - 1)) & ~(align - 1)
 
 
 def _empty_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
@@ -365,6 +370,7 @@ def pack(
     *,
     pool: HostPool | None = None,
     groups: npt.NDArray[Any] | None = None,
+    owner: tuple[int, int] | None = None,
 ) -> dict[int, PackedData]:
     """Scatter every column once; return one zero-copy piece per non-empty partition.
 
@@ -386,13 +392,18 @@ def pack(
         Group of each partition (small integers, shape ``(npartitions,)``):
         the pieces of each group share one range of memory, freed when the
         last of them is gone (e.g. pieces kept on this rank apart from pieces
-        sent away). One group without it.
+        sent away). One group without it or ``owner``.
+    owner
+        ``(rank, nranks)``: group the pieces by :func:`owner_groups` (the
+        pieces this rank keeps apart from those sent, each destination's
+        contiguous); replaces ``groups``.
 
     Returns
     -------
     dict
         ``{partition_id: PackedData}``; every ``data`` is a slice of its
-        group's buffer.
+        group's buffer, and every ``metadata`` the same object (the schema
+        and column layout, see the module docstring).
     """
     k = _kernels()
     counts = split.counts
@@ -438,13 +449,20 @@ def pack(
         ]
         blobs[f"pickle{col.field}"] = dumps
         plan.append((col.field, "pickle", np.array([len(d) for d in dumps], np.int64)))
-    aligned = (
-        np.stack([_aligned(s.astype(np.int64) + slack.get(b, 0)) for b, (_, _, s) in enumerate(plan)])
-        if plan else np.zeros((0, npart), np.int64)
-    )
+    sizes_all = np.stack([s.astype(np.int64) for _, _, s in plan]) if plan else np.zeros((0, npart), np.int64)
+    # Buffers start 64-byte aligned in pieces of a few KiB or more; small
+    # pieces (many partitions, few rows each) keep 8 (what Arrow and NumPy
+    # need), so padding does not outweigh their data.
+    align = _ALIGN if len(present) and int(sizes_all.sum()) >= _SMALL_PIECE * len(present) else _WORD
+    aligned = _aligned(sizes_all + np.array([slack.get(b, 0) for b in range(len(plan))], np.int64)[:, None], align)
     aligned[:, counts == 0] = 0
-    within = np.cumsum(aligned, axis=0) - aligned  # offset of each buffer inside its piece
-    piece_size = aligned.sum(axis=0)
+    # Each piece starts with its layout (offset, size of every buffer, <i8
+    # pairs), then its buffers.
+    prefix = -(-16 * len(plan) // align) * align
+    within = prefix + np.cumsum(aligned, axis=0) - aligned  # offset of each buffer inside its piece
+    piece_size = np.where(counts > 0, prefix + aligned.sum(axis=0), 0)
+    if owner is not None:
+        groups = owner_groups(piece_size, *owner)
     group = np.zeros(npart, np.int64) if groups is None else np.asarray(groups, np.int64)
     ngroups = int(group.max()) + 1 if npart else 1
     group_size = np.bincount(group, weights=piece_size, minlength=ngroups).astype(np.int64)
@@ -479,40 +497,68 @@ def pack(
         elif role == "pickle":
             for p in present:
                 buf[at[b][p] : at[b][p] + sizes[p]] = np.frombuffer(blobs[f"pickle{j}"][p], np.uint8)
+    # One metadata object for every piece of the insert (the schema and the
+    # layout of the columns); each piece's own buffer offsets lead its data.
     common = _common_header(columns, plan, schema, names)
-    sizes_all = np.stack([s.astype(np.int64) for _, _, s in plan]) if plan else aligned
-    # Per piece: (offset inside the piece, size) of each buffer, as <i8 pairs.
-    rel = np.stack([within, sizes_all], axis=2).astype("<i8")
-    pieces = {}
-    for p in present:
-        meta = common + rel[:, p, :].tobytes()
-        g = int(group[p])
-        base, size = int(piece_base[p]) - group_offsets[g], int(piece_size[p])
-        pieces[int(p)] = PackedData(meta, group_buffers[g].slice(base, size), int(counts[p]))
+    if plan and len(present):
+        rel = np.stack([within[:, present], sizes_all[:, present]], axis=2).transpose(1, 0, 2)
+        words = buf[: buf.shape[0] // _WORD * _WORD].view(np.int64)
+        at_words = (piece_base[present] // _WORD)[:, None] + np.arange(2 * len(plan))[None, :]
+        words[at_words] = rel.reshape(len(present), 2 * len(plan))
+    pieces: dict[int, PackedData] = {}
+    bases = (piece_base - np.asarray(group_offsets, np.int64)[group]).tolist()
+    sizes_l, counts_l, group_l = piece_size.tolist(), counts.tolist(), group.tolist()
+    for q in present.tolist():
+        g = group_l[q]
+        pieces[q] = PackedData(common, group_buffers[g].slice(bases[q], sizes_l[q]), counts_l[q])
     return pieces
 
 
 #: At most this many groups hold the pieces a rank keeps (see :func:`owner_groups`).
 KEPT_GROUPS = 256
+#: Bytes a group of kept pieces reaches before the next kept piece starts another.
+KEPT_GROUP_BYTES = 2**20
 
 
-def owner_groups(npartitions: int, rank: int, nranks: int) -> npt.NDArray[np.int64]:
+def owner_groups(piece_size: npt.NDArray[np.int64], rank: int, nranks: int) -> npt.NDArray[np.int64]:
     """Group of each partition for :func:`pack`: where its piece's memory is freed with others'.
 
-    The pieces this rank keeps (its :func:`owned_partitions`)
-    wait in the postbox until their partition is extracted, one partition
-    after another: each gets a group of its own (up to :data:`KEPT_GROUPS`
-    groups; beyond that, neighbouring partitions share), so its memory goes
-    as soon as it is extracted, not with the last partition of the insert.
-    The pieces sent to other ranks share one group (the last), freed once
-    they are all sent.
+    Parameters
+    ----------
+    piece_size
+        Bytes of each partition's piece (0: no piece), shape ``(npartitions,)``.
+    rank, nranks
+        This rank and the number of ranks (partition ``j`` is kept when
+        ``j % nranks == rank``, :func:`owned_partitions`).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64`` group of each partition, shape ``(npartitions,)``. The
+        pieces this rank keeps wait in the postbox until their partition is
+        extracted, one partition after another: neighbouring kept pieces
+        share a group until it holds :data:`KEPT_GROUP_BYTES` (at most
+        :data:`KEPT_GROUPS` groups), so memory goes back soon after its
+        partitions are extracted while an insert into thousands of small
+        partitions still takes a few blocks, not one per partition. The
+        pieces for each other rank share one group of their own (one
+        contiguous range per destination, sent as one frame), freed once sent.
     """
+    sizes = np.asarray(piece_size, np.int64)
+    npartitions = sizes.shape[0]
     kept = np.zeros(npartitions, dtype=bool)
     kept[list(owned_partitions(rank, nranks, npartitions))] = True
-    nkept = int(kept.sum())
-    per = -(-nkept // KEPT_GROUPS) if nkept else 1
-    groups = np.full(npartitions, -(-nkept // per), np.int64)
-    groups[kept] = np.arange(nkept) // per
+    kept_sizes = sizes[kept]
+    target = max(KEPT_GROUP_BYTES, -(-int(kept_sizes.sum()) // KEPT_GROUPS))
+    # A kept piece starts a new group when the bytes before it cross a multiple of the target.
+    before = np.cumsum(kept_sizes) - kept_sizes
+    kept_group = before // target
+    nkept_groups = int(kept_group[-1]) + 1 if kept_group.size else 0
+    groups = np.empty(npartitions, np.int64)
+    groups[kept] = kept_group
+    dest = np.arange(npartitions) % nranks
+    # Ranks other than this one, numbered after the kept groups.
+    groups[~kept] = nkept_groups + (dest[~kept] - (dest[~kept] > rank))
     return groups
 
 
@@ -585,14 +631,9 @@ def _parse_common(common: bytes) -> tuple[dict[str, Any], pa.Schema | None, int]
     return desc, schema, start + slen
 
 
-def _split_metadata(metadata: bytes) -> tuple[dict[str, Any], pa.Schema | None, npt.NDArray[np.int64]]:
-    n = len(COLS)
-    (blen,) = _U32.unpack_from(metadata, n)
-    (slen,) = _U32.unpack_from(metadata, n + 4 + blen)
-    end = n + 8 + blen + slen
-    desc, schema, _ = _parse_common(bytes(metadata[:end]))
-    rel = np.frombuffer(metadata, dtype="<i8", offset=end).reshape(-1, 2)
-    return desc, schema, rel
+def _split_metadata(metadata: bytes) -> tuple[dict[str, Any], pa.Schema | None]:
+    desc, schema, _ = _parse_common(bytes(metadata))
+    return desc, schema
 
 
 def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[Any] | None]:
@@ -607,9 +648,10 @@ def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[
     names
         The original column names when some were not strings, else ``None``.
     """
-    desc, schema, rel = _split_metadata(bytes(piece.metadata))
+    desc, schema = _split_metadata(piece.metadata)
     n = piece.nrows
     data = piece.data if isinstance(piece.data, pa.Buffer) else pa.py_buffer(piece.data)
+    rel = np.frombuffer(data, dtype="<i8", count=2 * len(desc["plan"])).reshape(-1, 2)
     bufs: dict[tuple[int, str], pa.Buffer] = {}
     pickled: dict[int, pd.Series] = {}
     ipc = None
@@ -642,3 +684,95 @@ def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[
         arrays.append(arr)
     table = pa.Table.from_arrays(arrays, schema=schema)
     return table, pickled, desc["names"]
+
+
+def _address(data: Any) -> int:
+    buf = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+    return int(buf.address)
+
+
+def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, list[pa.Schema]] | None:
+    """Concatenate pieces written by :func:`pack` into one table, one compiled pass per buffer.
+
+    The pieces may come from different inserts (their metadata differ, e.g.
+    one has a validity bitmap where another has none) as long as their
+    schemas have the same field types; every column must have a raw layout
+    (no ``"arrow"`` or ``"pickle"`` column). Nothing is built per piece: the
+    kernels read each piece's buffers where they lie, by address, into one
+    new buffer per column buffer, so the cost is the bytes plus a few
+    operations per piece.
+
+    Parameters
+    ----------
+    pieces
+        Pieces whose metadata :func:`is_cols`, in output order.
+
+    Returns
+    -------
+    (table, names, schemas) or None
+        The table (the first piece's schema, metadata included), the
+        original column names as :func:`read_piece` gives them and the
+        distinct schemas of the pieces (to check against a meta); ``None``
+        when the pieces do not qualify (the caller reads them one by one).
+    """
+    if not pieces:
+        return None
+    metas: dict[bytes, int] = {}
+    which = np.empty(len(pieces), np.int64)
+    address = np.empty(len(pieces), np.uint64)
+    nrows = np.empty(len(pieces), np.int64)
+    for i, piece in enumerate(pieces):
+        which[i] = metas.setdefault(piece.metadata, len(metas))
+        address[i] = _address(piece.data)
+        nrows[i] = piece.nrows
+    parsed = [_split_metadata(m) for m in metas]
+    desc0, schema0 = parsed[0]
+    if schema0 is None:
+        return None
+    kinds = [(c[0], c[1], c[2]) for c in desc0["cols"]]
+    if any(kind not in ("fixed", "bits", "var") for kind, _, _ in kinds):
+        return None
+    # Buffer index of (column, role) in each distinct layout, -1 if absent.
+    roles = ("validity", "data", "offsets")
+    index = np.full((len(parsed), len(kinds), len(roles)), -1, np.int64)
+    for m, (desc, schema) in enumerate(parsed):
+        if schema is None or desc["names"] != desc0["names"]:
+            return None
+        if [(c[0], c[1], c[2]) for c in desc["cols"]] != kinds:
+            return None
+        if m and (schema.types != schema0.types or schema.names != schema0.names):
+            return None
+        for b, (j, role) in enumerate(desc["plan"]):
+            index[m, j, roles.index(role)] = b
+    k = _kernels()
+    total = int(nrows.sum())
+    arrays = []
+    for j, (kind, field, width) in enumerate(kinds):
+        validity_of = index[which, j, 0]
+        validity = None
+        if (validity_of >= 0).any():
+            bits = np.zeros((total + 7) >> 3, np.uint8)
+            k.gather_bits(address, validity_of, nrows, bits)
+            validity = pa.py_buffer(bits)
+        data_of = index[which, j, 1]
+        if kind == "fixed":
+            out = _empty_aligned(total * width)
+            k.gather_bytes(address, data_of, out)
+            buffers = [validity, pa.py_buffer(out)]
+        elif kind == "bits":
+            out = np.zeros((total + 7) >> 3, np.uint8)
+            k.gather_bits(address, data_of, nrows, out)
+            buffers = [validity, pa.py_buffer(out)]
+        else:
+            offsets = np.empty(total + 1, np.int64)
+            nbytes = int(k.gather_offsets(address, index[which, j, 2], nrows, width, offsets))
+            if width == 4 and nbytes >= 2**31:
+                return None  # more than 32-bit offsets reach: read piece by piece
+            out = _empty_aligned(nbytes)
+            k.gather_bytes(address, data_of, out)
+            if width == 4:
+                offsets = offsets.astype(np.int32)
+            buffers = [validity, pa.py_buffer(offsets), pa.py_buffer(out)]
+        arrays.append(pa.Array.from_buffers(schema0.field(field).type, total, buffers))
+    distinct = list({id(schema): schema for _, schema in parsed if schema is not None}.values())
+    return pa.Table.from_arrays(arrays, schema=schema0), desc0["names"], distinct

@@ -187,8 +187,13 @@ def kernels() -> Any:
             cursor[p] = c
             out_off[np.uint64(off_base[p]) + np.uint64(rank[i]) + np.uint64(1)] = c
 
+    # The gather of an extract reads pieces by address: module-level
+    # functions (mpshuffle.table._gather), so numba can cache them.
+    from mpshuffle.table._gather import gather_bits, gather_bytes, gather_offsets
+
     return SimpleNamespace(
         hash_ints=hash_ints, hash_float_bits=hash_float_bits, hash_given=hash_given,
         rank_ids=rank_ids, scatter=scatter, scatter_bits=scatter_bits, var_sizes=var_sizes,
-        scatter_var=scatter_var,
+        scatter_var=scatter_var, gather_bytes=gather_bytes, gather_bits=gather_bits,
+        gather_offsets=gather_offsets,
     )

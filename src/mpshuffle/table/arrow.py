@@ -20,9 +20,9 @@ from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData
 from mpshuffle.table._columns import (
     arrow_columns,
+    gather,
     hash_ids,
     is_cols,
-    owner_groups,
     pack,
     rank_ids,
     read_piece,
@@ -132,8 +132,7 @@ class ArrowAdapter(FrameAdapter):
             if frame.num_rows == 0:
                 return {}
             split = rank_ids(ids, npartitions)
-        groups = None if pool is None else owner_groups(npartitions, rank, nranks)
-        return pack(columns, split, frame.schema, pool=pool, groups=groups)
+        return pack(columns, split, frame.schema, pool=pool, owner=(rank, nranks))
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:
         """Concatenate pieces in order into a table with ``meta``'s schema.
@@ -148,6 +147,12 @@ class ArrowAdapter(FrameAdapter):
         schema = _schema(meta)
         if not pieces:
             return self.empty_like(meta)
+        gathered = gather(pieces) if all(is_cols(p.metadata) for p in pieces) else None
+        if gathered is not None:
+            # One table of all pieces (same field names and types).
+            table = gathered[0]
+            self._check_names(table.column_names, schema)
+            return pa.Table.from_arrays([self._cast(table.column(f.name), f) for f in schema], schema=schema)
         tables = []
         for piece in pieces:
             if is_cols(piece.metadata):

@@ -40,9 +40,9 @@ from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData
 from mpshuffle.table._columns import (
     Column,
+    gather,
     hash_ids,
     is_cols,
-    owner_groups,
     pack,
     pandas_columns,
     rank_ids,
@@ -297,8 +297,7 @@ class PandasAdapter(FrameAdapter):
             split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on))
         else:
             split = rank_ids(ids, npartitions)
-        groups = None if pool is None else owner_groups(npartitions, rank, nranks)
-        return pack(columns, split, schema, names, pool=pool, groups=groups)
+        return pack(columns, split, schema, names, pool=pool, owner=(rank, nranks))
 
     def _ids(
         self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int, ids: Any
@@ -373,6 +372,15 @@ class PandasAdapter(FrameAdapter):
         return reconcile(frame, meta, on_lossy_cast)
 
     def _unpack_cols(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
+        gathered = gather(pieces)
+        if gathered is not None:
+            # One table for all pieces; their schemas have the same field
+            # types, so checking the names of each distinct schema is enough.
+            table, names, schemas = gathered
+            header = Header(ARROW, tuple(names) if names is not None else None)
+            for schema in schemas:
+                check_columns(self._restored(_data_fields(schema.empty_table()), header), meta)
+            return self._to_pandas(table, header)
         parts = [read_piece(p) for p in pieces]
         header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
         checked = set()
