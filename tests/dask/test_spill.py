@@ -134,7 +134,7 @@ def test_cluster_shuffle_with_1mib_budget_spills_and_cleans_up(client: Any) -> N
     assert all(run["bytes_unspilled_disk"] == run["bytes_spilled_disk"] for run in mine)
     # One statistics type for both kinds: a host run reports every key, the
     # device-only mechanisms (spill to host, rounds, consolidation) at 0.
-    assert all(set(run) == {"op_id", "generation", "rank", *STATISTICS} for run in mine)
+    assert all(set(run) == {"op_id", "generation", "rank", "options", *STATISTICS} for run in mine)
     assert all(run["chunks_received"] > 0 and run["seconds_extract"] > 0 for run in mine)
     assert all(run["rounds"] == run["bytes_spilled_host"] == run["bytes_consolidated"] == 0 for run in mine)
     # What every rank inserted was received somewhere.
