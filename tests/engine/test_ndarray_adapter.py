@@ -187,3 +187,27 @@ def test_rechunk_pieces_move_through_a_host_run() -> None:
         assert run.closed and ctx.shufflers == {}
     finally:
         ctx.close()
+
+
+@pytest.mark.parametrize(("per_partition", "nranks"), [(1, 1), (2, 2), (3, 3), (2, 1)])
+def test_regular_cuts_take_one_copy_and_one_placement(per_partition: int, nranks: int) -> None:
+    """Time-to-space: blocks (1, 6) of a (4, 6) array to blocks (4, 2); and back."""
+    full = np.arange(24, dtype=">f4").reshape(4, 6)
+    row = (((0, 0, 2, 0), (1, 2, 4, 0), (2, 4, 6, 0)),)
+    plan = BlockPlan(cuts=(tuple(((0, 0, 1, t),) for t in range(4)), row), nout=(1, 3),
+                     per_partition=per_partition)
+    pool = HostPool(limit=2**24)
+    by_pid: dict[int, list] = {}
+    for rank in range(nranks):
+        for t in range(4):
+            pieces = NDArrayAdapter(full.dtype, plan, (t, 0)).split_for(
+                full[t : t + 1], (), plan.npartitions, rank=rank, nranks=nranks, pool=pool
+            )
+            for pid, piece in pieces.items():
+                if pid % nranks == rank:
+                    by_pid.setdefault(pid, []).append(piece)
+    got = {b: a for pieces in by_pid.values() for b, a in NDArrayAdapter(full.dtype).unpack(pieces, None).items()}
+    assert sorted(got) == [0, 1, 2]
+    for j in range(3):
+        assert got[j].dtype == full.dtype
+        np.testing.assert_array_equal(got[j], full[:, 2 * j : 2 * j + 2])

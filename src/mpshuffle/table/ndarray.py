@@ -301,6 +301,10 @@ class NDArrayAdapter(FrameAdapter):
                     f"rechunk input block {where} has extent {size} on axis {axis}; the array's chunks "
                     f"say {reach}"
                 )
+        if not self.dtype.hasobject and self.dtype.itemsize:
+            grid = _regular_grid(plan, where)
+            if grid is not None:
+                return _pack_grid(frame, plan, grid, rank, nranks, pool)
         # Cuts by partition, in order of output block.
         by_partition: dict[int, list[tuple[int, Any, tuple[int, ...]]]] = {}
         per = plan.per_partition
@@ -352,10 +356,33 @@ class NDArrayAdapter(FrameAdapter):
         ends = index[:, 2 : 2 + ndim] + index[:, 2 + ndim :]
         extents = np.zeros((len(blocks), ndim), np.int64)
         np.maximum.at(extents, where, ends)
-        out = {int(b): np.empty(tuple(e), dtype=self.dtype) for b, e in zip(blocks.tolist(), extents.tolist(), strict=True)}
         covered = np.bincount(where, weights=np.prod(index[:, 2 + ndim :], axis=1), minlength=len(blocks))
         raw = self.dtype.itemsize > 0
+        # Blocks of one shape (regular chunks) share one array: a piece whose
+        # cuts share their place and extent (one input block's cuts of a
+        # regular grid) is placed by one assignment, not one per cut. The
+        # blocks handed out are views of it.
+        same = bool((extents == extents[0]).all())
+        stacked = np.empty((len(blocks), *extents[0].tolist()), dtype=self.dtype) if same else None
+        if stacked is not None:
+            out = {int(b): stacked[k] for k, b in enumerate(blocks.tolist())}
+        else:
+            out = {
+                int(b): np.empty(tuple(e), dtype=self.dtype)
+                for b, e in zip(blocks.tolist(), extents.tolist(), strict=True)
+            }
+        at = 0
         for piece, (fmt, _, rows) in zip(pieces, read, strict=True):
+            mine = where[at : at + len(rows)]
+            at += len(rows)
+            if stacked is not None and fmt == RAW and raw and len(rows) > 1 and _one_place(rows, self.dtype.itemsize):
+                shape = rows[0, 2 + ndim :].tolist()
+                n = math.prod(shape)
+                if n:
+                    cuts = np.frombuffer(piece.data, self.dtype, n * len(rows), int(rows[0, 1]))
+                    place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), shape, strict=True))
+                    stacked[(mine, *place)] = cuts.reshape(len(rows), *shape)  # type: ignore[index]
+                continue
             values = pickle.loads(piece.data) if fmt == PICKLED else None
             for c, row in enumerate(rows.tolist()):
                 shape = row[2 + ndim :]
@@ -382,6 +409,15 @@ class NDArrayAdapter(FrameAdapter):
     def empty_like(self, meta: Any) -> Any:
         """An array with ``meta``'s shape and the adapter's dtype, uninitialized."""
         return np.empty(np.shape(meta), dtype=self.dtype)
+
+
+def _one_place(rows: npt.NDArray[np.int64], itemsize: int) -> bool:
+    """Whether a piece's cuts share offsets and extents and lie back to back in its data."""
+    if not (rows[:, 2:] == rows[0, 2:]).all():
+        return False
+    ndim = (rows.shape[1] - 2) // 2
+    size = math.prod(rows[0, 2 + ndim :].tolist()) * itemsize
+    return bool((rows[:, 1] == rows[0, 1] + np.arange(len(rows)) * size).all())
 
 
 def _index(fmt: int, ndim: int, cuts: Sequence[tuple[int, Any, tuple[int, ...]]], at: Sequence[int]) -> bytes:
@@ -445,4 +481,86 @@ def _pack(
             data = b""
         nelem = sum(int(view.size) for _, view, _ in cuts)
         pieces[pid] = PackedData(_index(RAW, ndim, cuts, at), data, nelem)
+    return pieces
+
+
+#: Per axis: (first element, cut length, output block * stride per cut, offset per cut).
+_Grid = list[tuple[int, int, "npt.NDArray[np.int64]", "npt.NDArray[np.int64]"]]
+
+
+def _regular_grid(plan: BlockPlan, where: tuple[int, ...]) -> _Grid | None:
+    """The block's cuts as a regular grid (equal lengths per axis, back to back), or ``None``.
+
+    Time-to-space and its reverse cut every block so: then one strided copy
+    moves all the cuts of the block into cut order, instead of one copy per cut.
+    """
+    grid: _Grid = []
+    stride = 1
+    strides = []
+    for axis in reversed(range(len(where))):
+        strides.append(stride)
+        stride *= plan.nout[axis]
+    strides.reverse()
+    for axis, i in enumerate(where):
+        cuts = plan.cuts[axis][i]
+        first, length = cuts[0][1], cuts[0][2] - cuts[0][1]
+        if length <= 0 or any(b < 0 or a != first + k * length or b - a != length
+                              for k, (_, a, b, _) in enumerate(cuts)):
+            return None
+        grid.append((
+            first, length,
+            np.array([j * strides[axis] for j, _, _, _ in cuts], np.int64),
+            np.array([o for _, _, _, o in cuts], np.int64),
+        ))
+    return grid
+
+
+def _pack_grid(
+    frame: Any, plan: BlockPlan, grid: _Grid, rank: int, nranks: int, pool: HostPool | None
+) -> dict[int, PackedData]:
+    """Cut a block whose cuts form a regular grid: one strided copy, then one piece per partition.
+
+    The cuts lie back to back in C order of the grid (which is the order of
+    their output blocks, so each partition's cuts are one byte range). Pieces
+    sent away are slices of that buffer; a kept partition's range is copied
+    into a buffer of its own, so the shared one goes once everything is sent.
+    """
+    ndim = len(grid)
+    counts = [len(g[2]) for g in grid]
+    lengths = [g[1] for g in grid]
+    region = frame[tuple(slice(g[0], g[0] + g[1] * n) for g, n in zip(grid, counts, strict=True))]
+    split = region.reshape([v for n, length in zip(counts, lengths, strict=True) for v in (n, length)])
+    view = split.transpose([*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)])
+    cut_bytes = math.prod(lengths) * frame.dtype.itemsize
+    total = cut_bytes * math.prod(counts)
+    whole = pool.allocate(total) if pool is not None else pa.py_buffer(_empty_aligned(total))
+    target = np.frombuffer(whole, dtype=np.uint8).view(frame.dtype).reshape(view.shape)
+    np.copyto(target, view, casting="no")
+    # The offset index of every cut, in cut order.
+    mesh = np.meshgrid(*[g[2] for g in grid], indexing="ij")
+    block: npt.NDArray[np.int64] = np.sum([m.ravel() for m in mesh], axis=0, dtype=np.int64)
+    offsets = np.meshgrid(*[g[3] for g in grid], indexing="ij")
+    ncuts = len(block)
+    rows = np.empty((ncuts, 2 + 2 * ndim), dtype="<i8")
+    rows[:, 0] = block
+    rows[:, 1] = np.arange(ncuts, dtype=np.int64) * cut_bytes
+    for a in range(ndim):
+        rows[:, 2 + a] = offsets[a].ravel()
+        rows[:, 2 + ndim + a] = lengths[a]
+    part = rows[:, 0] // plan.per_partition
+    bounds = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), ncuts]
+    elements = math.prod(lengths)
+    pieces = {}
+    for lo, hi in itertools.pairwise(bounds):
+        pid = int(part[lo])
+        data: Any = whole.slice(lo * cut_bytes, (hi - lo) * cut_bytes)
+        if partition_owner(pid, nranks) == rank and nranks > 1:
+            own = pool.allocate(data.size) if pool is not None else pa.py_buffer(_empty_aligned(data.size))
+            np.frombuffer(own, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+            data = own
+        index = rows[lo:hi].copy()
+        index[:, 1] -= lo * cut_bytes
+        pieces[pid] = PackedData(
+            _HEAD.pack(RAW, ndim, hi - lo) + index.tobytes(), data, (hi - lo) * elements
+        )
     return pieces
