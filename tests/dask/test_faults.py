@@ -481,7 +481,30 @@ def _drop_capture(dask_worker):  # type: ignore[no-untyped-def]
     logging.getLogger("mpshuffle.comm.tcp").removeHandler(dask_worker.mpshuffle_log[0])
 
 
+def _rss(dask_worker):  # type: ignore[no-untyped-def]
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _announce_huge(host: str, port: int) -> None:
+    """A stranger announces a 512 MiB message where the handshake belongs, then sends 128 MiB."""
+    chunk = b"\0" * (1 << 20)
+    with socket.create_connection((host, port), timeout=10) as s:
+        try:
+            s.sendall((512 << 20).to_bytes(8, "little"))
+            for _ in range(128):
+                s.sendall(chunk)
+        except OSError:  # refused: the rank closed the connection
+            pass
+
+
 def test_garbage_on_a_communicator_port_is_refused(client: Client) -> None:
+    """Garbage and a huge announced message on a rank's port: refused, logged, no memory taken.
+
+    The announcement grew a worker from 309 to 821 MiB before the
+    communicator bounded what a connection not yet known may make it read.
+    """
     bootstrap_dask_cluster(client, timeout=60)
     pdf = _frame()
     comm_addresses = client.run(lambda dask_worker: get_worker_context(dask_worker).comm.addresses[
@@ -491,11 +514,15 @@ def test_garbage_on_a_communicator_port_is_refused(client: Client) -> None:
         df, go = _held(pdf, 4)
         fut = client.compute(shuffle(df, "k", npartitions=3))
         _wait_for(lambda: _state(client)["runs"], "the run to start")
+        rss = client.run(_rss)
         for address in comm_addresses.values():
             host, port = address.removeprefix("tcp://").rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=10) as s:
                 s.sendall(b"GARBAGE!" * 8)
-        _wait_for(lambda: all(client.run(_refusals).values()), "the refusals to be logged")
+            _announce_huge(host, int(port))
+        _wait_for(lambda: all(len(r) == 2 for r in client.run(_refusals).values()), "the refusals to be logged")
+        grown = {w: n - rss[w] for w, n in client.run(_rss).items()}
+        assert all(g < 32 << 20 for g in grown.values()), grown
         Event(go, client=client).set()
         _check(fut.result(timeout=60), pdf)
         del fut

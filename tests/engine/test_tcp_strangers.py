@@ -9,12 +9,14 @@ over TCP and TLS; the strangers are raw sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 from mpshuffle.comm.tcp import TcpCommunicator
@@ -102,3 +104,107 @@ def test_strangers_that_send_a_little_and_stop_are_closed_too(
     refusals = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
     assert len(refusals) == 3
     assert root._hello_deadlines == {}
+
+
+_HUGE = 512 << 20  # what a stranger announces: bytes
+
+
+async def _push(write: Any, chunk: bytes, total: int) -> None:
+    """Write ``chunk`` until ``total`` bytes went or the rank closed the connection."""
+    from distributed.comm.core import CommClosedError
+    from tornado.iostream import StreamClosedError
+
+    with contextlib.suppress(OSError, CommClosedError, StreamClosedError):
+        for _ in range(0, total, len(chunk)):
+            await write(chunk)
+
+
+def _stranger(root: TcpCommunicator, how: str, chunk: bytes, payload: Any) -> None:
+    """Announce ``_HUGE`` bytes to ``root`` before any valid hello, then send data until refused.
+
+    ``how``: ``"handshake"``, the first bytes on the socket are a length
+    prefix of ``_HUGE`` (in place of distributed's handshake); ``"hello"``,
+    distributed's handshake passes, then the prefix comes in place of the
+    hello; ``"frame"``, a well-formed message in place of the hello whose
+    second buffer (announced in its header, read apart) is ``payload``.
+    Between announcements, ``chunk`` is sent over and over.
+    """
+    import struct
+
+    import distributed.comm
+    from distributed.protocol import to_serialize
+
+    async def run() -> None:
+        if how == "handshake":
+            host, port = _host_port(root.addresses[0])
+            _, writer = await asyncio.open_connection(host, port)
+
+            async def write(data: bytes) -> None:
+                writer.write(data)
+                await writer.drain()
+
+            await write(struct.pack("Q", _HUGE))
+            await _push(write, chunk, 96 << 20)
+            writer.close()
+            return
+        kwargs = root._security.get_connection_args("worker") if root._security else {}
+        comm = await distributed.comm.connect(root.addresses[0], timeout=10, deserialize=False, **kwargs)
+        try:
+            if how == "hello":
+                await comm.stream.write(struct.pack("Q", _HUGE))
+                await _push(comm.stream.write, chunk, 96 << 20)
+            else:
+                small = np.arange(16, dtype=np.uint8)
+                msg = {"op": "mpshuffle-hello", "a": to_serialize(small), "b": to_serialize(payload)}
+                await _push(lambda _: comm.write(msg), b"-", 1)  # one message
+        finally:
+            comm.abort()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("how", ["handshake", "hello", "frame"])
+def test_a_stranger_announcing_a_huge_message_is_refused_before_it_is_allocated(
+    ranks: list[TcpCommunicator], caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A connection not yet known may make a rank read and allocate at most a hello's worth.
+
+    distributed.comm allocates what a message's sizes announce before its
+    bytes arrive: a 512 MiB length prefix in place of the handshake grew a
+    worker from 309 to 821 MiB. Now the rank refuses the connection at the
+    announcement, logs it, and allocates nothing of the sort; the ranks'
+    own connection (large messages included) is not disturbed.
+    """
+    import tracemalloc
+
+    import psutil
+
+    from mpshuffle.comm._read_budget import HELLO_BYTES
+
+    root, other = ranks
+    if how == "handshake" and root._security is not None:
+        pytest.skip("a raw socket cannot speak TLS; the other two cases cover TLS")
+    caplog.set_level(logging.WARNING, logger="mpshuffle.comm.tcp")
+    chunk, payload = b"\0" * (1 << 20), np.zeros(64 << 20, dtype=np.uint8)
+    rss = psutil.Process().memory_info().rss
+    tracemalloc.start()
+    try:
+        _stranger(root, how, chunk, payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    grown = psutil.Process().memory_info().rss - rss
+    # What Python and NumPy allocated while the stranger tried, both ends of
+    # the connection counted (what it sends was made before): a hello's
+    # budget and some bookkeeping (1.6 MiB seen), nothing near the announced sizes.
+    assert peak < 8 << 20, peak
+    assert grown < 48 << 20, grown
+    refusals = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
+    assert len(refusals) == 1, refusals
+    assert "before a valid hello" in refusals[0] and f"at most {HELLO_BYTES} bytes" in refusals[0], refusals
+    assert root._hello_deadlines == {}
+    big = np.arange(1 << 20, dtype=np.int64)  # 8 MiB: raw frames on the ranks' connection
+    other.send(0, ("after",), [b"still here", big], timeout=10)
+    got = root.recv(1, ("after",), timeout=10)
+    assert bytes(got[0]) == b"still here"
+    np.testing.assert_array_equal(np.frombuffer(got[1], dtype=np.int64), big)

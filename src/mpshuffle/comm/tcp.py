@@ -18,7 +18,10 @@ ranks' own connections are not disturbed. A rank that accepts a hello answers
 with a *welcome*. Every accepted connection has a deadline of its own
 (``hello_timeout``) for the TLS handshake, distributed's handshake and the
 hello together: a stranger that connects and sends nothing is logged and
-closed when it passes.
+closed when it passes. Until then a connection may also make the rank read
+at most :data:`~mpshuffle.comm._read_budget.HELLO_BYTES` (see
+:mod:`mpshuffle.comm._read_budget`): one that announces a larger message is
+logged and closed before anything is allocated for it.
 
 Ranks of one host exchange large messages through shared memory
 (:mod:`mpshuffle.comm._shm`): the hello names a probe file in ``/dev/shm``,
@@ -51,6 +54,7 @@ from distributed.protocol.serialize import Serialized
 from tornado.iostream import StreamClosedError
 
 from mpshuffle.comm import _shm
+from mpshuffle.comm._read_budget import ReadBudget
 from mpshuffle.comm.base import Communicator, Frames, Tag
 from mpshuffle.errors import CommError, CommTimeoutError
 
@@ -265,17 +269,23 @@ class TcpCommunicator(Communicator):
         self.addresses[self.rank] = self._listener.contact_address
 
     def _with_deadline(self, handle_stream: Any) -> Any:
-        """Give every accepted stream ``hello_timeout`` seconds to present a valid hello.
+        """Give every accepted stream ``hello_timeout`` seconds and a few bytes to present a valid hello.
 
         Set where the server hands over a new stream, before any handshake:
         distributed's handshake read (and TLS's) has no deadline, so a
-        stranger that sends nothing would otherwise hold a socket forever.
+        stranger that sends nothing would otherwise hold a socket forever;
+        and distributed allocates what a message announces, so a stranger
+        announcing gigabytes would make this rank allocate them
+        (:class:`~mpshuffle.comm._read_budget.ReadBudget`, removed once the
+        hello is accepted).
         """
 
         def handle(stream: Any, address: Any) -> Any:
             key = (str(address[0]), int(address[1]))
             timer = self.loop.call_later(self._hello_timeout, self._expire, key)
             self._hello_deadlines[key] = (timer, stream)
+            # Nor may it make this rank allocate more than a hello needs.
+            ReadBudget(stream)
             return handle_stream(stream, address)
 
         return handle
@@ -474,6 +484,8 @@ class TcpCommunicator(Communicator):
             logger.warning("mpshuffle: refused connection from %s: not a rank of generation %s", peer, self.generation)
             comm.abort()
             return
+        if comm.stream is not None:
+            ReadBudget.remove(comm.stream)  # a rank of the generation: its messages are chunks
         shm = _shm.check_probe(hello.get("shm"), hello.get("nonce"), self._shm_dir)
         try:
             await comm.write({"op": "mpshuffle-welcome", "shm": shm})
