@@ -108,6 +108,12 @@ def _swallow(kind: str, src: int | None = None, dask_worker=None) -> None:  # ty
     ctx.comm.register_handler("mps", handler)
 
 
+def _unswallow(dask_worker=None) -> None:  # type: ignore[no-untyped-def]
+    """Undo :func:`_swallow`: a new timeout no longer makes a new generation, whose context would not have it."""
+    ctx = get_worker_context(dask_worker)
+    ctx.comm.register_handler("mps", ctx._on_message)
+
+
 def _swallowed(client: Client, worker: str) -> int:
     return client.run(lambda dask_worker: getattr(dask_worker, "mpshuffle_swallowed", 0), workers=[worker])[worker]
 
@@ -432,6 +438,7 @@ def test_worker_answers_while_barrier_waits(client: Client) -> None:
     assert _state(client)["runs"] and not fut.done()  # still waiting at the barrier
     fut.cancel()
     del fut
+    client.run(_unswallow, workers=[workers[1]])
     bootstrap_dask_cluster(client, timeout=300)
     _assert_clean(client)
 
