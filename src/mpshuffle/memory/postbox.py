@@ -178,7 +178,7 @@ class Postbox:
                 if dropped:
                     self._done(dropped)
                     entries = [e for e in entries if keep(e[0])]
-        spilled = [(k, e[1]) for k, e in enumerate(entries) if isinstance(e[1], _Spilled)]
+        spilled = [(k, e[1]) for k, e in enumerate(entries) if type(e[1]) is _Spilled]
         if spilled:
             t0 = time.perf_counter()
             try:
@@ -201,11 +201,15 @@ class Postbox:
 
     def _done(self, entries: Sequence[_Entry]) -> None:
         """Count ``entries`` as gone from their chunks (under the lock)."""
-        for _, item, share in entries:
-            before = share.reservation.nbytes
-            share.done()
-            if before and not share.reservation.nbytes:
-                self._held[share.reservation.memory_type] -= before
+        held = self._held
+        for e in entries:
+            share = e[2]
+            share.left -= 1
+            if share.left <= 0:
+                reservation = share.reservation
+                if reservation.nbytes:
+                    held[reservation.memory_type] -= reservation.nbytes
+                    reservation.release()
 
     @property
     def nbytes(self) -> int:

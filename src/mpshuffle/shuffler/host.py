@@ -427,45 +427,45 @@ def _chunk_frames(
 ) -> tuple[list[Any], int]:
     """The frames of one chunk (see the module docstring) and its data bytes."""
     n = len(batch)
-    pids = np.empty(n, np.int64)
-    nrows = np.empty(n, np.int64)
-    meta_of = np.empty(n, np.int32)
-    frame_of = np.empty(n, np.int32)
-    offset = np.zeros(n, np.int64)
-    size = np.empty(n, np.int64)
-    metas: dict[int, int] = {}
-    meta_frames: list[Any] = []
-    data_frames: list[Any] = []
-    # The current run of adjacent pieces of one parent buffer: (parent, start address, end address).
-    run: tuple[Any, int, int] | None = None
-    for k, (pid, packed) in enumerate(batch):
-        pids[k] = pid
-        nrows[k] = packed.nrows
-        m = metas.get(id(packed.metadata))
-        if m is None:
-            m = metas[id(packed.metadata)] = len(meta_frames)
-            meta_frames.append(packed.metadata)
-        meta_of[k] = m
-        data = packed.data
-        nbytes = _data_size(packed)
-        size[k] = nbytes
-        parent = getattr(data, "parent", None) if isinstance(data, pa.Buffer) else None
-        if parent is not None and run is not None and run[0] is parent and run[2] == data.address:
-            offset[k] = data.address - run[1]
-            run = (parent, run[1], data.address + nbytes)
-        else:
-            if run is not None:
-                data_frames.append(run[0].slice(run[1] - run[0].address, run[2] - run[1]))
-                run = None
-            if parent is not None:
-                run = (parent, data.address, data.address + nbytes)
-            else:
-                data_frames.append(data)
-                frame_of[k] = len(data_frames) - 1
-                continue
-        frame_of[k] = len(data_frames)  # the run's, appended when it ends
-    if run is not None:
-        data_frames.append(run[0].slice(run[1] - run[0].address, run[2] - run[1]))
+    pids = np.fromiter((pid for pid, _ in batch), np.int64, n)
+    nrows = np.fromiter((p.nrows for _, p in batch), np.int64, n)
+    metadata = [p.metadata for _, p in batch]
+    first = metadata[0] if n else b""
+    if all(m is first for m in metadata):
+        meta_frames: list[Any] = [first] if n else []
+        meta_of = np.zeros(n, np.int32)
+    else:
+        index: dict[int, int] = {}
+        meta_frames = []
+        for m in metadata:
+            if id(m) not in index:
+                index[id(m)] = len(meta_frames)
+                meta_frames.append(m)
+        meta_of = np.fromiter((index[id(m)] for m in metadata), np.int32, n)
+    datas = [p.data for _, p in batch]
+    parents = [d.parent if type(d) is pa.Buffer else None for d in datas]
+    if n and all(parent is not None for parent in parents):
+        # Pieces of pooled or packed memory: one frame per run of adjacent
+        # pieces of one parent buffer (one per chunk for pack's pieces).
+        address = np.fromiter((d.address for d in datas), np.int64, n)
+        size = np.fromiter((d.size for d in datas), np.int64, n)
+        # pyarrow gives a new object for every .parent: compare what they span.
+        span = np.fromiter((b.address for b in parents if b is not None), np.int64, n)
+        same = span[1:] == span[:-1]
+        starts = np.flatnonzero(np.concatenate(([True], ~(same & (address[1:] == address[:-1] + size[:-1])))))
+        frame_of = (np.cumsum(np.isin(np.arange(n), starts)) - 1).astype(np.int32)
+        ends = np.append(starts[1:], n) - 1
+        offset = address - address[starts][frame_of]
+        data_frames: list[Any] = []
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            parent: Any = parents[s]
+            lo = int(address[s])
+            data_frames.append(parent.slice(lo - parent.address, int(address[e] + size[e]) - lo))
+    else:
+        size = np.fromiter((_data_size(p) for _, p in batch), np.int64, n)
+        offset = np.zeros(n, np.int64)
+        frame_of = np.arange(n, dtype=np.int32)
+        data_frames = datas
     header = msgpack.packb({
         "input": input_index, "attempt": attempt, "seq": seq, "metas": len(meta_frames),
         "pids": pids.tobytes(), "nrows": nrows.tobytes(), "meta_of": meta_of.tobytes(),

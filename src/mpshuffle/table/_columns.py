@@ -687,8 +687,7 @@ def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[
 
 
 def _address(data: Any) -> int:
-    buf = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
-    return int(buf.address)
+    return int((data if type(data) is pa.Buffer else pa.py_buffer(data)).address)
 
 
 def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, list[pa.Schema]] | None:
@@ -717,14 +716,16 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     """
     if not pieces:
         return None
-    metas: dict[bytes, int] = {}
-    which = np.empty(len(pieces), np.int64)
-    address = np.empty(len(pieces), np.uint64)
-    nrows = np.empty(len(pieces), np.int64)
-    for i, piece in enumerate(pieces):
-        which[i] = metas.setdefault(piece.metadata, len(metas))
-        address[i] = _address(piece.data)
-        nrows[i] = piece.nrows
+    n = len(pieces)
+    metadata = [p.metadata for p in pieces]
+    metas = dict.fromkeys(metadata)  # distinct, in order (bytes hash once)
+    if len(metas) == 1:
+        which = np.zeros(n, np.int64)
+    else:
+        number = {m: k for k, m in enumerate(metas)}
+        which = np.fromiter((number[m] for m in metadata), np.int64, n)
+    address = np.fromiter((_address(p.data) for p in pieces), np.uint64, n)
+    nrows = np.fromiter((p.nrows for p in pieces), np.int64, n)
     parsed = [_split_metadata(m) for m in metas]
     desc0, schema0 = parsed[0]
     if schema0 is None:

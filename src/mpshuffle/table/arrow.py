@@ -147,7 +147,7 @@ class ArrowAdapter(FrameAdapter):
         schema = _schema(meta)
         if not pieces:
             return self.empty_like(meta)
-        gathered = gather(pieces) if all(is_cols(p.metadata) for p in pieces) else None
+        gathered = gather(pieces) if all(is_cols(m) for m in dict.fromkeys(p.metadata for p in pieces)) else None
         if gathered is not None:
             # One table of all pieces (same field names and types).
             table = gathered[0]

@@ -352,7 +352,7 @@ class PandasAdapter(FrameAdapter):
         """
         if not pieces:
             return self.empty_like(meta)
-        if all(is_cols(p.metadata) for p in pieces):
+        if all(is_cols(m) for m in dict.fromkeys(p.metadata for p in pieces)):
             return reconcile(self._unpack_cols(pieces, meta), meta, on_lossy_cast)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
