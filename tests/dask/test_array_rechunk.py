@@ -256,3 +256,44 @@ def test_suite_runner_switches_only_the_rechunk_method(tmp_path: Path) -> None:
     original = (dask_dir / "conftest.py").read_text()
     assert conftest.startswith(original)
     assert '_dask.config.set({"array.rechunk.method": _METHOD})' in conftest[len(original):]
+
+
+def _hold(block: np.ndarray, event: str, block_info: Any = None) -> np.ndarray:
+    """Input block that waits for ``event``, except the first (its insert starts the run)."""
+    from distributed import Event, rejoin, secede
+
+    if block_info[0]["chunk-location"][0] != 0:
+        secede()
+        Event(event).wait(timeout=60)
+        rejoin()
+    return block
+
+
+def test_lost_worker_mid_insert_computes_the_rechunk_again() -> None:
+    import signal
+    import time
+    import uuid
+
+    from distributed import Event
+
+    with LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
+    ) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=60)
+        bootstrap_dask_cluster(client, timeout=10)
+        go = f"go-{uuid.uuid4().hex[:8]}"
+        values = np.arange(6 * 8 * 8, dtype="f8").reshape(6, 8, 8)
+        x = da.from_array(values, chunks=(1, 8, 8)).map_blocks(_hold, go, dtype="f8")
+        fut = client.compute(x.rechunk((6, 2, 4), method="mpshuffle"))
+        deadline = time.monotonic() + 30
+
+        def runs(dask_scheduler: Any) -> int:
+            return len(dask_scheduler.plugins["mpshuffle"].runs)
+
+        while not client.run_on_scheduler(runs):
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.05)
+        victim = sorted(client.scheduler_info()["workers"])[1]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        Event(go, client=client).set()
+        np.testing.assert_array_equal(fut.result(timeout=60), values)
