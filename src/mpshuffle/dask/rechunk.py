@@ -329,9 +329,13 @@ def _workers() -> int:
     try:
         from distributed import default_client
 
-        return max(1, len(default_client().scheduler_info(n_workers=-1)["workers"]))
-    except (ImportError, ValueError, TypeError):
+        client = default_client()
+    except (ImportError, ValueError):
         return 1
+    if client.asynchronous or client.status != "running":
+        # No blocking call from an event loop: the identity the client last saw.
+        return max(1, len(getattr(client, "_scheduler_identity", {}).get("workers", {})))
+    return max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
 
 
 def _pick(blocks: dict[int, Any], b: int) -> Any:
