@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="shuffle TPC-H lineitem on a LocalCluster and report throughput")
     demo.add_argument("--scale-factor", "-s", type=positive_float, default=0.5,
-                      help="TPC-H scale factor, > 0 (default 0.5: 3M rows, about 1 minute on 2 cores)")
+                      help="TPC-H scale factor, > 0 (default 0.5: 3M rows; about 20-30 s on 2 cores, "
+                           "data generation and the DuckDB check included)")
     demo.add_argument("--workers", type=positive_int, default=None,
                       help="workers, >= 1 (default: one per core, at least 2)")
     demo.add_argument("--partitions", type=positive_int, default=None,
@@ -52,9 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--data-dir", default=None,
                       help="where to write the generated data (default: a temporary dir, deleted after); "
                            "lineitem and orders that an earlier run left there are deleted and generated anew")
-    demo.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
+    demo.add_argument("--no-progress", action="store_true",
+                      help="do not draw progress bars (they are never drawn when stderr is not a terminal)")
     sub.add_parser("info", help="print versions and available backends")
-    bench.add_arguments(sub.add_parser("bench", help="mpshuffle vs Dask's P2P and task shuffles (JSON; a PNG too with the bench extra's matplotlib)"))
+    bench.add_arguments(sub.add_parser(
+        "bench", help="mpshuffle vs Dask's P2P and task shuffles (JSON; a PNG too with the bench extra's matplotlib)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    ))
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
@@ -76,7 +81,7 @@ def _info() -> int:
 
     print(f"mpshuffle   {mpshuffle.__version__}")
     print(f"python      {platform.python_version()} ({sys.executable})")
-    for name in ("dask", "distributed", "pandas", "pyarrow", "numpy", "psutil"):
+    for name in ("dask", "distributed", "pandas", "pyarrow", "numpy", "numba", "psutil"):
         mod = importlib.import_module(name)
         print(f"{name:<11} {getattr(mod, '__version__', '?')}")
     print("communicators:")
@@ -93,9 +98,13 @@ def _info() -> int:
             print(f"  {name:<11} no  ({what}; not installed)")
         except Exception as e:  # noqa: BLE001 - e.g. CuPy installed but no CUDA driver: say so, go on
             print(f"  {name:<11} no  ({what}; import failed: {type(e).__name__}: {e})")
-    absent = missing()
-    print(f"demo extra  {'yes' if not absent else 'no (missing: ' + ', '.join(absent) + ')'}")
+    print(f"demo extra  {_have(missing())}  (mpshuffle demo and bench)")
+    print(f"bench extra {_have(missing('bench'))}  (the PNG plot of mpshuffle bench)")
     return 0
+
+
+def _have(absent: list[str]) -> str:
+    return "yes" if not absent else f"no (missing: {', '.join(absent)})"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -158,3 +158,25 @@ def test_the_library_and_info_work_without_the_demo_extra() -> None:
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "demo extra  no (missing: duckdb, tqdm)" in proc.stdout
+    assert "bench extra no (missing: duckdb, tqdm, matplotlib)" in proc.stdout
+    assert "\nnumba " in proc.stdout
+
+
+def test_bench_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, run in ((["bench", "--help"], cli.main), (["--help"], bench.main)):
+        with pytest.raises(SystemExit) as done:
+            run(argv)
+        assert done.value.code == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "(default: [0.25, 0.5, 1.0, 2.0])" in out and "(default: 8.0)" in out, out
+
+
+def test_no_progress_bar_without_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpshuffle.demo import progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)  # a log file
+    assert progress_bar(3, "shuffle", "partition", off=False).disable
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal
+    with progress_bar(3, "shuffle", "partition", off=False) as bar:
+        assert not bar.disable
+    assert progress_bar(3, "shuffle", "partition", off=True).disable

@@ -15,8 +15,9 @@ import importlib.util
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["EXTRA", "ExtraMissingError", "missing", "require", "tpchgen_path"]
+__all__ = ["EXTRA", "ExtraMissingError", "missing", "progress_bar", "require", "tpchgen_path"]
 
 #: The extra that installs what the demo and the benchmark need.
 EXTRA = "demo"
@@ -46,18 +47,34 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def missing() -> list[str]:
-    """Names of the ``demo`` extra's requirements that are not installed.
+def missing(extra: str = EXTRA) -> list[str]:
+    """Names of an extra's requirements that are not installed.
+
+    Parameters
+    ----------
+    extra
+        ``"demo"`` (what ``mpshuffle demo`` and ``mpshuffle bench`` need) or
+        ``"bench"`` (the demo extra and matplotlib, for the benchmark's plot).
 
     Returns
     -------
     list of str
-        Python modules (``duckdb``, ``tqdm``) and the ``tpchgen-cli``
-        executable that were not found, in that order; empty when all are.
+        Python modules (``duckdb``, ``tqdm``), the ``tpchgen-cli``
+        executable and, for ``"bench"``, ``matplotlib``, that were not
+        found, in that order; empty when all are.
+
+    Raises
+    ------
+    ValueError
+        If ``extra`` is neither.
     """
+    if extra not in (EXTRA, "bench"):
+        raise ValueError(f"extra must be {EXTRA!r} or 'bench', got {extra!r}")
     names = [m for m in _MODULES if not _installed(m)]
     if tpchgen_path() is None:
         names.append("tpchgen-cli")
+    if extra == "bench" and not _installed("matplotlib"):
+        names.append("matplotlib")
     return names
 
 
@@ -82,3 +99,26 @@ def require(command: str) -> None:
             f"pip install -e \".[{EXTRA}]\" in a clone of mpshuffle, "
             f"or pip install \"mpshuffle[{EXTRA}]\""
         )
+
+
+def progress_bar(total: int, desc: str, unit: str, off: bool) -> Any:
+    """A tqdm progress bar on stderr, drawn only where stderr is a terminal.
+
+    Parameters
+    ----------
+    total
+        Steps to come.
+    desc, unit
+        tqdm's label and unit.
+    off
+        No bar at all (``--no-progress``).
+
+    Returns
+    -------
+    tqdm.tqdm
+        Disabled when ``off`` or when stderr is not a terminal (a log file,
+        a pipe), where a bar's redraws would only fill the file.
+    """
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, disable=off or not sys.stderr.isatty())

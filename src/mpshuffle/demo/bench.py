@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from mpshuffle.demo import require
+from mpshuffle.demo import progress_bar, require
 from mpshuffle.demo._cliargs import int_at_least, positive_float, positive_int
 
 __all__ = ["METHODS", "main", "make_synthetic"]
@@ -399,7 +399,6 @@ def versions() -> dict[str, str]:
 def run(args: Any) -> dict[str, Any]:
     """Run every case of the sweep; return the results (also written as JSON)."""
     from distributed import Client, LocalCluster, wait
-    from tqdm import tqdm
 
     from mpshuffle.dask import bootstrap_dask_cluster
 
@@ -408,7 +407,7 @@ def run(args: Any) -> dict[str, Any]:
                                "plot": _plot_path(args.output, cases), "cases": []}
     data_dir = tempfile.mkdtemp(prefix="mpshuffle-bench-") if args.data_dir is None else args.data_dir
     total = len(cases) * args.repeats * len(METHODS)
-    bar = tqdm(total=total, desc="bench", unit="shuffle", disable=args.no_progress)
+    bar = progress_bar(total, "bench", "shuffle", args.no_progress)
     by_workers: dict[int, list[dict[str, Any]]] = {}
     for c in cases:
         by_workers.setdefault(c["workers"], []).append(c)
@@ -551,12 +550,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no untimed 2 MB shuffle of each method first: each method's first run then "
                              "includes its one-time costs (imports, mpshuffle's kernels), as a user's first "
                              "shuffle does (mpshuffle's bootstrap stays timed apart)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none either when stderr is not a terminal)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark from the command line; print the summary table."""
-    parser = argparse.ArgumentParser(prog="mpshuffle bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mpshuffle bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     require("mpshuffle bench")

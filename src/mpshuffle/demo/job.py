@@ -121,10 +121,11 @@ def _join(lineitem: Any, root: Any, npartitions: int, disable: bool) -> bool:
 
 def _progress(collection: Any, label: str, disable: bool) -> None:
     from distributed import as_completed, futures_of
-    from tqdm import tqdm
+
+    from mpshuffle.demo import progress_bar
 
     futures = futures_of(collection)
-    with tqdm(total=len(futures), desc=label, unit="partition", disable=disable) as bar:
+    with progress_bar(len(futures), label, "partition", disable) as bar:
         for _ in as_completed(futures):
             bar.update(1)
 
