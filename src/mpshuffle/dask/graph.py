@@ -37,6 +37,7 @@ from mpshuffle.table import FrameAdapter, PandasAdapter, get_adapter
 from mpshuffle.table.base import check_columns, check_ids
 from mpshuffle.table.device import DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
+from mpshuffle.table.hashing import PandasRowHash
 
 __all__ = ["ShuffleSpec", "shuffle_graph"]
 
@@ -64,7 +65,10 @@ class ShuffleSpec:
     partitioner
         ``None`` (hash partitioning of ``on``), or a picklable callable
         ``partitioner(frame) -> int64 ids`` (shape ``(n,)``, values in
-        ``[0, npartitions)``) that replaces the hash, e.g. a range partitioner.
+        ``[0, npartitions)``) that replaces the hash, e.g. a range partitioner;
+        for pandas frames it may return a
+        :class:`~mpshuffle.table.hashing.PandasRowHash` instead (the insert
+        then hashes those columns by pandas' row hash, Dask's rule).
     device
         Whether the run is a device run (the meta is device data, see
         :func:`~mpshuffle.shuffler.device.is_device_meta`).
@@ -356,8 +360,12 @@ def _with_index(adapter: FrameAdapter, spec: ShuffleSpec) -> FrameAdapter:
 
 def _partitioner_ids(adapter: FrameAdapter, frame: Any, spec: ShuffleSpec) -> Any:
     # The partitioner sees the task's frame (a cudf frame stays one); its ids
-    # go where the frame's data is (host or the frame's GPU).
-    ids = adapter.as_ids(frame, spec.partitioner(frame))
+    # go where the frame's data is (host or the frame's GPU). Key columns to
+    # hash by pandas' row hash (Dask's rule) go to the insert's fused pass.
+    result = spec.partitioner(frame)
+    if isinstance(result, PandasRowHash):
+        return result
+    ids = adapter.as_ids(frame, result)
     try:
         check_ids(ids, adapter.num_rows(frame), spec.npartitions)
     except ValueError as e:

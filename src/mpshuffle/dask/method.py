@@ -20,12 +20,18 @@ method ``"mpshuffle"`` it returns :class:`MPShuffle`, for every other method
 it calls Dask's own ``_lower`` unchanged.
 
 Dask decides everything around the shuffle as it does for its own methods:
-which rows go to which output partition (Dask computes the ``_partitions``
-column -- its hash of the keys, or the range of a sort -- before the
-``Shuffle``; mpshuffle moves each row to the partition that column names, so a
-frame shuffled with ``tasks`` and one shuffled with mpshuffle are partitioned
-alike), the sample and divisions of a sort, and whether a merge is a
-broadcast join. Dask's broadcast-join test only accepts its own method
+which rows go to which output partition, the sample and divisions of a sort,
+and whether a merge is a broadcast join. Before a ``Shuffle`` Dask computes
+a column ``_partitions``: the range of a sort's key, or, for hash shuffles,
+its hash of the keys (an ``AssignPartitioningIndex`` step). mpshuffle moves
+each row to the partition that column names -- except that for a hash
+shuffle of pandas frames it shuffles the frame from before that step and
+computes the same ids in its insert (:class:`~mpshuffle.dask.partitioning.DaskPartitioning`),
+so the column is neither computed as a task of its own nor moved: each
+extract appends it to its output partition ``j`` as the constant ``j``
+(which it is), so the output is Dask's, column for column.
+Either way a frame shuffled with ``tasks`` and one shuffled with mpshuffle
+are partitioned alike. Dask's broadcast-join test only accepts its own method
 names, so :func:`install` also wraps ``Merge.is_broadcast_join`` to answer
 for ``"mpshuffle"`` as Dask answers for ``"tasks"``.
 
@@ -54,6 +60,7 @@ import numpy as np
 # also failed the retried bootstrap. .ci/run runs tests on the oldest.
 from dask.dataframe.dask_expr._shuffle import SimpleShuffle as _Lowered
 
+from mpshuffle.dask.partitioning import DaskPartitioning
 from mpshuffle.errors import MPShuffleError
 
 __all__ = [
@@ -175,6 +182,11 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         ``dask.config`` where Dask lowers the expression (on the client,
         before the graph goes to the scheduler, which builds the tasks);
         part of the shuffle's token.
+    partitioning
+        ``None``, or the :class:`~mpshuffle.dask.partitioning.DaskPartitioning`
+        that computes Dask's ids in the insert; ``frame`` is then the frame
+        before Dask's ``AssignPartitioningIndex`` and ``partitioning_index``
+        the keys Dask hashes.
 
     Notes
     -----
@@ -198,6 +210,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         "original_partitioning_index",
         "_partitions",
         "mpshuffle_options",
+        "partitioning",
     ]
     _defaults = {  # noqa: RUF012
         "ignore_index": False,
@@ -205,6 +218,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         "original_partitioning_index": None,
         "_partitions": None,
         "mpshuffle_options": None,
+        "partitioning": None,
     }
 
     def __str__(self) -> str:
@@ -230,7 +244,11 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
 
     @functools.cached_property
     def _meta(self) -> Any:
-        return self.frame._meta
+        partitioning = self.operand("partitioning")
+        if partitioning is None:
+            return self.frame._meta
+        # As after Dask's AssignPartitioningIndex: the ids as the last column.
+        return _with_ids(self.frame._meta, 0, partitioning.ids_dtype)
 
     def _lower(self) -> None:
         return None
@@ -246,13 +264,17 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         options = Options(**chosen) if chosen is not None else None
 
         on = list(self._partitioning_index)
-        partitioner = _ColumnIds(_PARTITIONS) if on == [_PARTITIONS] else None
+        partitioner = self.operand("partitioning")
+        if partitioner is not None:
+            on = on or ["_index"]  # a shuffle on the index; not read with a partitioner
+        elif on == [_PARTITIONS]:
+            partitioner = _ColumnIds(_PARTITIONS)
         name = self.frame._name
         graph, keys = shuffle_graph(
             [(name, i) for i in range(self.frame.npartitions)],
             on=on,
             npartitions=self.npartitions_out,
-            meta=self._meta,
+            meta=self.frame._meta,
             keep_index=True,
             name=METHOD,
             token=self._shuffle_token,
@@ -260,6 +282,10 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
             on_lossy_cast="keep",
             options=options,
         )
+        if partitioner is self.operand("partitioning") and partitioner is not None:
+            for j, key in enumerate(keys):
+                _, barrier_name, _, spec = graph[key]
+                graph[key] = (_extract_with_ids, barrier_name, j, spec, partitioner.ids_dtype.str)
         if not self._filtered:
             return graph
         # Extract tasks keep their keys (extract-name, j): the scheduler plugin
@@ -271,6 +297,51 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         for i, j in enumerate(self._partitions):
             graph[(self._name, i)] = _alias((self._name, i), keys[j])
         return graph
+
+
+def _with_ids(frame: Any, partition_id: int, dtype: Any) -> Any:
+    return frame.assign(**{_PARTITIONS: np.full(len(frame), partition_id, dtype=dtype)})
+
+
+def _extract_with_ids(run: Any, partition_id: int, spec: Any, dtype: str) -> Any:
+    """Task: output partition ``partition_id``, with Dask's ``_partitions`` column (all ``partition_id``)."""
+    from mpshuffle.dask.graph import extract
+
+    return _with_ids(extract(run, partition_id, spec), partition_id, dtype)
+
+
+def _before_partitioning(shuffle: Any) -> tuple[Any, Any, DaskPartitioning | None]:
+    """The frame to shuffle, its keys and the partitioner, for a Shuffle by Dask's ``_partitions``.
+
+    A hash shuffle's frame is Dask's ``AssignPartitioningIndex`` of the frame
+    before it: then that frame, the keys Dask hashes and a
+    :class:`DaskPartitioning` that computes the same ids in the insert.
+    Otherwise (a sort's ranges, keys given as an expression, a Series, cudf
+    frames) the Shuffle's own frame and partitioning index, and ``None``.
+    """
+    import pandas as pd
+    from dask.dataframe.dask_expr._expr import Expr
+    from dask.dataframe.dask_expr._shuffle import AssignPartitioningIndex
+
+    frame = shuffle.frame
+    unchanged = (frame, shuffle.partitioning_index, None)
+    if type(frame) is not AssignPartitioningIndex or shuffle._partitioning_index != [_PARTITIONS]:
+        return unchanged
+    keys = frame.operand("partitioning_index")
+    before = frame.frame
+    if (
+        frame.operand("index_name") != _PARTITIONS
+        or frame.operand("npartitions_out") != shuffle.npartitions_out
+        or isinstance(keys, Expr)
+        or not isinstance(before._meta, pd.DataFrame)
+        or not isinstance(frame.operand("meta"), pd.DataFrame)
+    ):
+        return unchanged
+    keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+    partitioning = DaskPartitioning(
+        keys, shuffle.npartitions_out, frame.operand("meta"), bool(frame.operand("index_shuffle"))
+    )
+    return before, keys, partitioning
 
 
 def _alias(key: Any, target: Any) -> Any:
@@ -317,15 +388,17 @@ def install() -> None:
         check_dask_version()
         from mpshuffle.config import resolve_options
 
+        frame, partitioning_index, partitioning = _before_partitioning(self)
         return MPShuffle(
-            self.frame,
-            self.partitioning_index,
+            frame,
+            partitioning_index,
             self.npartitions_out,
             self.ignore_index,
             self.options,
             self.original_partitioning_index,
             None,
             resolve_options().as_dict(),  # the client's, decided here (see MPShuffle)
+            partitioning,
         )
 
     def is_broadcast_join(self: Any) -> bool:

@@ -199,7 +199,9 @@ class Run(abc.ABC):
             Number of output partitions.
         ids
             Optional output partition id of every row (shape ``(n,)``, int64,
-            on the frame's device, see :meth:`FrameAdapter.as_ids`).
+            on the frame's device, see :meth:`FrameAdapter.as_ids`), or, for
+            a host run of a pandas frame, a
+            :class:`~mpshuffle.table.hashing.PandasRowHash` of its rows.
         attempt
             Id of this execution of the insert task; the barrier names the
             attempt whose data counts.

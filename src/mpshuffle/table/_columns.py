@@ -45,7 +45,7 @@ import pyarrow as pa
 from mpshuffle.memory.packed import PackedData
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
-from mpshuffle.table.hashing import owned_partitions
+from mpshuffle.table.hashing import PandasRowHash, owned_partitions
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -64,6 +64,7 @@ __all__ = [
     "owner_groups",
     "pack",
     "pandas_columns",
+    "pandas_row_split",
     "rank_ids",
     "read_piece",
 ]
@@ -327,6 +328,38 @@ def hash_ids(
                     "dates, booleans, categoricals)"
                 ) from e
             k.hash_given(np.ascontiguousarray(hashes, dtype=np.uint64), mode, acc, npart, pid, rank, counts)
+    return Split(pid, rank, counts)
+
+
+# pandas.core.util.hashing.combine_hash_arrays' multiplier: its start and step.
+_PD_MULT = 1000003
+_PD_MULT_STEP = 82520
+
+
+def pandas_row_split(keys: PandasRowHash, npartitions: int) -> Split:
+    """Partition ids, ranks and counts by pandas' row hash (:class:`~mpshuffle.table.hashing.PandasRowHash`).
+
+    One pass per key column, the last one also ranking and counting, as
+    :func:`hash_ids` does for mpshuffle's own hash.
+    """
+    k = _kernels()
+    nrows = keys.nrows
+    pdt, rdt = _pick_dtype(npartitions, nrows)
+    pid = np.empty(nrows, pdt)
+    rank = np.empty(nrows, rdt)
+    counts = np.zeros(npartitions, np.int64)
+    ncols = len(keys.columns)
+    acc = np.empty(nrows if ncols > 1 else 0, np.uint64)
+    npart = np.uint64(npartitions)
+    mult = _PD_MULT
+    for j, (values, given) in enumerate(zip(keys.columns, keys.given, strict=True)):
+        values = np.ascontiguousarray(values)
+        args = (np.uint64(mult), j == 0, j == ncols - 1, acc, npart, pid, rank, counts)
+        if given:
+            k.pandas_given(values, *args)
+        else:
+            k.pandas_values(values, *args)
+        mult = (mult + _PD_MULT_STEP + 2 * (ncols - j)) % 2**64
     return Split(pid, rank, counts)
 
 

@@ -13,6 +13,14 @@ values :data:`NULL_HASH`, columns combined as ``acc * M ^ h``, the id
 ``acc % npartitions``. ``tests/engine/test_kernels.py`` checks every kernel
 against the numpy/pandas path value by value.
 
+The kernels ``pandas_values`` and ``pandas_given`` compute the other rule of
+:mod:`mpshuffle.table.hashing`, pandas' row hash (``hash_pandas_object(keys,
+index=False)``, the rule of Dask's ``partitioning_index``): per column the
+float64 bits of each value (NaN as pandas' one NaN, ``-0.0`` as ``0.0``)
+through the same finalizer, or hashes given; columns combined as pandas'
+``combine_hash_arrays`` does (``acc = 0x345678``; per column ``acc = (acc ^
+h) * mult``; then ``acc + 97531``); the id ``acc % npartitions``.
+
 The scatter is one stable counting sort: the hash pass also counts rows per
 partition and gives each row its rank within its partition (rows keep their
 input order), so each column is then written once, straight to its place in
@@ -35,6 +43,11 @@ _NULL = 0x9E3779B97F4A7C15  # _canonical.NULL_HASH
 _SIGN = 0x8000000000000000
 _ABS = 0x7FFFFFFFFFFFFFFF
 _INF_BITS = 0x7FF0000000000000
+# pandas.core.util.hashing.combine_hash_arrays' start and end constants, and
+# the bits of float64 NaN as numpy writes np.nan (pandas hashes every NaN so).
+_PD_START = 0x345678
+_PD_END = 97531
+_NAN_BITS = 0x7FF8000000000000
 
 # Modes of a hash pass: the first key column sets the accumulator, later ones
 # combine into it; the last one also writes ids, ranks and counts.
@@ -51,6 +64,7 @@ def kernels() -> Any:
     c1, c2, m, null_hash = np.uint64(_C1), np.uint64(_C2), np.uint64(_M), np.uint64(_NULL)
     sign, abs_mask, inf_bits = np.uint64(_SIGN), np.uint64(_ABS), np.uint64(_INF_BITS)
     u30, u27, u31 = np.uint64(30), np.uint64(27), np.uint64(31)
+    pd_start, pd_end, nan_bits = np.uint64(_PD_START), np.uint64(_PD_END), np.uint64(_NAN_BITS)
 
     @numba.njit(inline="always")
     def mix(x):  # type: ignore[no-untyped-def]
@@ -106,6 +120,42 @@ def kernels() -> Any:
         # A column hashed elsewhere (strings, objects): combine its hashes.
         for i in range(hashes.shape[0]):
             emit(i, hashes[i], mode, acc, npart, pid, rank, counts)
+
+    @numba.njit(inline="always")
+    def emit_pandas(i, h, mult, first, final, acc, npart, pid, rank, counts):  # type: ignore[no-untyped-def]
+        # One column of pandas' combine_hash_arrays; the last one also
+        # writes ids, ranks and counts.
+        a = pd_start if first else acc[i]
+        a = (a ^ h) * mult
+        if final:
+            a += pd_end
+            p = a % npart
+            pid[i] = p
+            rank[i] = counts[p]
+            counts[p] += 1
+        else:
+            acc[i] = a
+
+    @njit
+    def pandas_values(values, mult, first, final, acc, npart, pid, rank, counts):  # type: ignore[no-untyped-def]
+        # Numbers of any numpy type hashed as their float64 values, as pandas
+        # hashes a float64 array: NaN (any payload) as NaN, -0.0 as 0.0.
+        cell = np.empty(1, np.float64)
+        bits = cell.view(np.uint64)
+        for i in range(values.shape[0]):
+            cell[0] = np.float64(values[i])
+            b = bits[0]
+            if (b & abs_mask) > inf_bits:
+                b = nan_bits
+            elif b == sign:
+                b = np.uint64(0)
+            emit_pandas(i, mix(b), mult, first, final, acc, npart, pid, rank, counts)
+
+    @njit
+    def pandas_given(hashes, mult, first, final, acc, npart, pid, rank, counts):  # type: ignore[no-untyped-def]
+        # A column whose pandas hashes were computed elsewhere: combine them.
+        for i in range(hashes.shape[0]):
+            emit_pandas(i, hashes[i], mult, first, final, acc, npart, pid, rank, counts)
 
     @njit
     def rank_ids(ids, pid, rank, counts):  # type: ignore[no-untyped-def]
@@ -193,6 +243,7 @@ def kernels() -> Any:
 
     return SimpleNamespace(
         hash_ints=hash_ints, hash_float_bits=hash_float_bits, hash_given=hash_given,
+        pandas_values=pandas_values, pandas_given=pandas_given,
         rank_ids=rank_ids, scatter=scatter, scatter_bits=scatter_bits, var_sizes=var_sizes,
         scatter_var=scatter_var, gather_bytes=gather_bytes, gather_bits=gather_bits,
         gather_offsets=gather_offsets,

@@ -45,6 +45,30 @@ boolean columns, and with :func:`combine_hashes` / :func:`ids_from_hashes`'
 arithmetic inside the same passes for the others; the tests compare both
 ways value by value.
 
+Pandas' row hash
+----------------
+A second rule, for rows that must land where another engine's partitioning
+puts them: :class:`PandasRowHash` names the key columns, each either as
+numbers to hash as their ``float64`` values or as hashes computed already,
+and the id is pandas' row hash of them, ``hash_pandas_object(keys,
+index=False) % npartitions`` in ``uint64``:
+
+1. a column of numbers (any numpy integer, boolean or float type) hashes as
+   pandas hashes the same values cast to ``float64``: the 8 bytes of the
+   ``float64`` (every NaN as ``np.nan``'s bits, ``-0.0`` as ``0.0``) through
+   the finalizer of step 1 above; a given column's ``uint64`` hashes are
+   used as they are;
+2. columns ``h_0 .. h_{k-1}`` combine as pandas' ``combine_hash_arrays``
+   (CPython's old tuple hash): ``acc = 0x345678``, ``m = 1000003``; for each
+   column ``i``: ``acc = (acc ^ h_i) * m``, ``m += 82520 + 2 * (k - i)``;
+   finally ``acc += 97531`` (all mod ``2**64``).
+
+This is the rule of Dask's ``partitioning_index`` once Dask has cast the
+numeric key columns to ``float64``, which lets a shuffle compute Dask's
+partitions in the fused pass instead of reading a column of them; the Dask
+integration decides which columns are numbers (``mpshuffle.dask.partitioning``),
+and its tests compare the ids with Dask's own.
+
 Nothing uses Python's ``hash()`` (salted per process), so ids are equal across
 processes, runs and machines that run the same pandas hashing; known values
 are pinned by ``tests/test_table.py::test_known_hash_values`` so that a change
@@ -54,6 +78,7 @@ in pandas' hashing is noticed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,7 +91,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = [
-    "NULL_HASH", "combine_hashes", "ids_from_hashes", "owned_partitions", "partition_ids", "partition_owner",
+    "NULL_HASH", "PandasRowHash", "combine_hashes", "ids_from_hashes", "owned_partitions", "pandas_row_ids",
+    "partition_ids", "partition_owner",
 ]
 
 #: Odd multiplier of the column-combining step (see the module docstring).
@@ -172,6 +198,83 @@ def partition_ids(keys: Any, npartitions: int) -> npt.NDArray[np.int64]:
     if not columns:
         raise ValueError("at least one key column is needed to hash-partition")
     return hash_ids(columns, npartitions, len(keys), names).pid.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True, eq=False)
+class PandasRowHash:
+    """The key columns of one frame, to partition its rows by pandas' row hash.
+
+    Given as a frame's partition ids (``ids``) to an adapter's ``split``, it
+    makes the insert compute ``hash_pandas_object(keys, index=False) %
+    npartitions`` (see the module docstring) in its fused pass.
+
+    Attributes
+    ----------
+    columns
+        One 1-D numpy array per key column, in key order, all of the frame's
+        length ``n``.
+    given
+        One flag per column: ``False``, the column holds numbers (integers of
+        1 to 8 bytes, booleans, ``float32``/``float64``) hashed as their
+        ``float64`` values; ``True``, it holds the column's ``uint64`` hashes.
+
+    Raises
+    ------
+    ValueError
+        On construction: no column, flags and columns of different counts,
+        columns of different lengths or not 1-D, a given column not
+        ``uint64``, or a number column of another dtype.
+    """
+
+    columns: tuple[Any, ...]
+    given: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not self.columns:
+            raise ValueError("pandas' row hash needs at least one key column")
+        if len(self.given) != len(self.columns):
+            raise ValueError(f"{len(self.given)} flags for {len(self.columns)} key columns")
+        lengths = {np.shape(c) for c in self.columns}
+        if len(lengths) != 1 or len(next(iter(lengths))) != 1:
+            raise ValueError(f"key columns must be 1-D and of one length, got shapes {sorted(lengths)}")
+        for j, (c, g) in enumerate(zip(self.columns, self.given, strict=True)):
+            dtype = np.asarray(c).dtype
+            ok = dtype == np.uint64 if g else (dtype.kind in "iub" or dtype in (np.float32, np.float64))
+            if not ok:
+                what = "uint64 hashes" if g else "numbers (numpy integers, booleans, float32/64)"
+                raise ValueError(f"key column {j} must hold {what}, got dtype {dtype}")
+
+    @property
+    def nrows(self) -> int:
+        """Number of rows."""
+        return int(np.shape(self.columns[0])[0])
+
+
+def pandas_row_ids(keys: PandasRowHash, npartitions: int) -> npt.NDArray[np.int64]:
+    """Each row's partition by pandas' row hash (see the module docstring).
+
+    Parameters
+    ----------
+    keys
+        The key columns.
+    npartitions
+        Number of output partitions, ``1 <= npartitions < 2**63``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64``, shape ``(n,)``, values in ``[0, npartitions)``: the ids
+        the fused pass of an insert gives the same rows.
+
+    Raises
+    ------
+    ValueError
+        If ``npartitions`` is out of range.
+    """
+    npartitions = _check_npartitions(npartitions)
+    from mpshuffle.table._columns import pandas_row_split
+
+    return pandas_row_split(keys, npartitions).pid.astype(np.int64, copy=False)
 
 
 def partition_owner(partition_id: int, nranks: int) -> int:

@@ -45,13 +45,14 @@ from mpshuffle.table._columns import (
     is_cols,
     pack,
     pandas_columns,
+    pandas_row_split,
     rank_ids,
     read_piece,
 )
 from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids
 from mpshuffle.table._reconcile import check_columns, reconcile
 from mpshuffle.table.base import FrameAdapter, check_ids
-from mpshuffle.table.hashing import partition_ids
+from mpshuffle.table.hashing import PandasRowHash, pandas_row_ids, partition_ids
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -232,7 +233,7 @@ class PandasAdapter(FrameAdapter):
         frame: pd.DataFrame,
         on: Sequence[Any],
         npartitions: int,
-        ids: npt.NDArray[np.int64] | None = None,
+        ids: npt.NDArray[np.int64] | PandasRowHash | None = None,
     ) -> dict[int, PackedData]:
         """Split by hash of ``on`` into packed pieces (see the module docstring).
 
@@ -257,7 +258,7 @@ class PandasAdapter(FrameAdapter):
         frame: pd.DataFrame,
         on: Sequence[Any],
         npartitions: int,
-        ids: npt.NDArray[np.int64] | None = None,
+        ids: npt.NDArray[np.int64] | PandasRowHash | None = None,
         *,
         rank: int = 0,
         nranks: int = 1,
@@ -265,9 +266,15 @@ class PandasAdapter(FrameAdapter):
     ) -> dict[int, PackedData]:
         """:meth:`split`, the pieces' memory from ``pool``, kept and sent pieces apart.
 
-        See :meth:`~mpshuffle.table.FrameAdapter.split_for`.
+        See :meth:`~mpshuffle.table.FrameAdapter.split_for`. ``ids`` may also
+        be a :class:`~mpshuffle.table.hashing.PandasRowHash` of the frame's
+        rows: the rows then go by pandas' row hash of its columns, computed
+        in the fused pass (``on`` is not used).
         """
-        if ids is None:
+        if isinstance(ids, PandasRowHash):
+            if ids.nrows != len(frame):
+                raise ValueError(f"pandas' row hash has {ids.nrows} rows, the frame {len(frame)}")
+        elif ids is None:
             missing = [c for c in on if c not in frame.columns]
             if missing:
                 raise KeyError(
@@ -295,6 +302,8 @@ class PandasAdapter(FrameAdapter):
             by_name[str(frame.columns[i])] = col
         if ids is None:
             split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on))
+        elif isinstance(ids, PandasRowHash):
+            split = pandas_row_split(ids, npartitions)
         else:
             split = rank_ids(ids, npartitions)
         return pack(columns, split, schema, names, pool=pool, owner=(rank, nranks))
@@ -302,6 +311,8 @@ class PandasAdapter(FrameAdapter):
     def _ids(
         self, frame: pd.DataFrame, on: Sequence[Any], npartitions: int, ids: Any
     ) -> npt.NDArray[np.int64]:
+        if isinstance(ids, PandasRowHash):
+            return pandas_row_ids(ids, npartitions)
         return self.partition_ids(frame, on, npartitions) if ids is None else ids
 
     def _names(self, frame: pd.DataFrame) -> tuple[Any, ...] | None:

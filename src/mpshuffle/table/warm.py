@@ -22,6 +22,7 @@ import gc
 import logging
 import threading
 import time
+from typing import Any
 
 __all__ = ["warm_up", "warmed_up"]
 
@@ -41,7 +42,9 @@ def warm_up() -> float:
     Splits 64-row pandas frames of ``int64``, ``int32``, ``float64``,
     ``bool``, ``str``, nullable ``Int64`` (with a missing value) and
     ``datetime64[ns]`` columns by an ``int64``, ``float64``, ``str`` or
-    ``datetime64`` key, and by given ``int64`` partition ids (a sort's), into
+    ``datetime64`` key, by given ``int64`` partition ids (a sort's), and by
+    pandas' row hash of an ``int64``, ``float64`` or (hashed) ``str`` key
+    (Dask's rule, :class:`~mpshuffle.table.hashing.PandasRowHash`), into
     60 and 300 partitions; the pieces are dropped. It stops early once
     an insert of this process asked for the kernels (that insert loads what
     it needs; on a worker that starts shuffling at once, loading the rest
@@ -62,6 +65,7 @@ def warm_up() -> float:
         import pandas as pd
 
         from mpshuffle.table import _columns
+        from mpshuffle.table.hashing import PandasRowHash
         from mpshuffle.table.pandas import PandasAdapter
 
         n = 64
@@ -79,26 +83,39 @@ def warm_up() -> float:
         # Small steps, most common first, each loading one or two signatures
         # (columns, key, given ids): an insert that starts meanwhile waits
         # for one step at most.
-        steps: list[tuple[list[str], list[str], bool]] = [
-            (["i64", "f64"], ["i64"], False),
-            (["i64", "s"], ["i64"], False),
-            (["f64"], ["f64"], False),
-            (["s"], ["s"], False),
-            (["i64", "i32"], ["i64"], False),
-            (["i64", "b"], ["i64"], False),
-            (["i64", "n"], ["i64"], False),
-            (["t"], ["t"], False),
-            (["i64"], ["i64"], True),  # given ids (a sort's range partitioner)
+        # The third element: how rows are placed ("": the key's hash; "ids":
+        # given ids, a sort's range partitioner; "pandas": pandas' row hash,
+        # Dask's rule, of the key's values or, for "s", of its hashes).
+        steps: list[tuple[list[str], list[str], str]] = [
+            (["i64", "f64"], ["i64"], ""),
+            (["i64", "f64"], ["i64"], "pandas"),
+            (["i64", "s"], ["i64"], ""),
+            (["f64"], ["f64"], ""),
+            (["f64"], ["f64"], "pandas"),
+            (["s"], ["s"], ""),
+            (["s"], ["s"], "pandas"),
+            (["i64", "i32"], ["i64"], ""),
+            (["i64", "b"], ["i64"], ""),
+            (["i64", "n"], ["i64"], ""),
+            (["t"], ["t"], ""),
+            (["i64"], ["i64"], "ids"),
         ]
         _columns.WARMING.on = True
         try:
             for npartitions in PARTITION_COUNTS:
-                for names, on, given in steps:
+                for names, on, placed in steps:
                     if _columns.INSERTING.is_set():
                         # A real insert runs: it loads what it needs itself,
                         # and loading more here would only take its CPU.
                         break
-                    ids = rows % npartitions if given else None
+                    ids: Any = None
+                    if placed == "ids":
+                        ids = rows % npartitions
+                    elif placed == "pandas":
+                        key = frame[on[0]]
+                        hashed = key.dtype.kind not in "iufb"
+                        column = pd.util.hash_pandas_object(key, index=False).to_numpy() if hashed else key.to_numpy()
+                        ids = PandasRowHash((column,), (hashed,))
                     adapter.split_for(frame[names], on, npartitions, ids, rank=0, nranks=2)
         finally:
             _columns.WARMING.on = False
