@@ -347,8 +347,16 @@ def test_partition_filter_and_ignore_index() -> None:
     for j, p in enumerate(parts):
         for other in parts[j + 1:]:
             assert not set(p["k"]) & set(other["k"])
-    # The index travels even with ignore_index, as Dask's meta says (as with p2p, disk).
-    pd.testing.assert_frame_equal(pd.concat(parts).sort_index(), left)
+    # With ignore_index a default RangeIndex does not travel: each output
+    # partition gets a fresh one (of the meta's type).
+    for p in parts:
+        pd.testing.assert_index_equal(p.index, pd.RangeIndex(len(p)))
+    _same_rows(pd.concat(parts, ignore_index=True), left)
+    # Any other index travels even with ignore_index, as Dask's meta says (as with p2p, disk).
+    named = dd.from_pandas(left.rename_axis("row"), npartitions=5)
+    with dask.config.set({**MP, "scheduler": "sync"}):
+        out = named.shuffle("k", npartitions=4, ignore_index=True).compute()
+    pd.testing.assert_frame_equal(out.sort_index(), left.rename_axis("row"))
 
 
 def test_dask_meta_that_the_data_does_not_fit_keeps_the_data_dtype() -> None:

@@ -165,10 +165,12 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         Number of output partitions; may be smaller or larger than the
         input's (no repartition step is needed).
     ignore_index
-        Accepted, but the index travels either way: Dask's abstract shuffle
-        keeps the index in its meta for every method but ``tasks``, and its
-        tests expect the methods other than ``tasks`` to keep it (as ``p2p``
-        and ``disk`` do).
+        With ``True``, an unnamed ``RangeIndex`` (the meta's) does not travel:
+        each output partition gets a fresh ``RangeIndex`` (Dask documents
+        that the index values may be lost). Any other index travels either
+        way: Dask's abstract shuffle keeps the index in its meta for every
+        method but ``tasks``, and its tests expect the methods other than
+        ``tasks`` to keep it (as ``p2p`` and ``disk`` do).
     options
         Accepted for Dask's signature (Dask's own shuffle options).
     original_partitioning_index
@@ -253,6 +255,17 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     def _lower(self) -> None:
         return None
 
+    @functools.cached_property
+    def _keeps_index(self) -> bool:
+        # Dask's meta keeps the index for every method but tasks. With
+        # ignore_index a default RangeIndex need not travel (Dask documents
+        # that its values may be lost): each output partition gets a fresh
+        # RangeIndex, of the meta's type. Any other index travels.
+        import pandas as pd
+
+        index = self._meta.index
+        return not (self.ignore_index and isinstance(index, pd.RangeIndex) and index.name is None)
+
     def _layer(self) -> dict[Any, Any]:
         from mpshuffle.dask.graph import shuffle_graph
         from mpshuffle.options import Options
@@ -275,7 +288,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
             on=on,
             npartitions=self.npartitions_out,
             meta=self.frame._meta,
-            keep_index=True,
+            keep_index=self._keeps_index,
             name=METHOD,
             token=self._shuffle_token,
             partitioner=partitioner,
