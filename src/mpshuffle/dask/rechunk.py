@@ -233,11 +233,13 @@ def _build(x: Any, chunks: tuple[tuple[float, ...], ...], options: Options) -> A
     name = f"{METHOD}-rechunk-{token}"
     layer: dict[Any, Any] = {}
     per_axis = [_axis_groups(recipes) for recipes in old_to_new(x.chunks, chunks)]
+    workers = 0  # asked for once, at the first group that needs a run
     for gix, group in enumerate(itertools.product(*per_axis)):
         nold = math.prod(len(g.olds) for g in group)
         nnew = math.prod(len(g.news) for g in group)
         if nold > 1 and nnew > 1:
-            _exchange(layer, x, name, token, gix, group, options)
+            workers = workers or _workers()
+            _exchange(layer, x, name, token, gix, group, options, workers)
         else:
             _local(layer, x, name, group)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
@@ -271,7 +273,7 @@ def _local(layer: dict[Any, Any], x: Any, name: str, group: tuple[_AxisGroup, ..
 
 def _exchange(
     layer: dict[Any, Any], x: Any, name: str, token: str, gix: int, group: tuple[_AxisGroup, ...],
-    options: Options,
+    options: Options, workers: int,
 ) -> None:
     """The tasks of one mpshuffle run: an insert per input block, a barrier, an extract per output partition.
 
@@ -288,7 +290,7 @@ def _exchange(
     per_partition = 1
     if known and nblocks > 1:
         nbytes = x.dtype.itemsize * math.prod(sum(axis) for axis in _chunks_of(x, group))
-        wanted = max(math.ceil(nbytes / PARTITION_BYTES), 2 * _workers())
+        wanted = max(math.ceil(nbytes / PARTITION_BYTES), 2 * workers)
         per_partition = max(1, nblocks // max(1, min(wanted, nblocks)))
     plan = BlockPlan(cuts=tuple(g.cuts for g in group), nout=nout, per_partition=per_partition)
     gtoken = tokenize(token, gix)
