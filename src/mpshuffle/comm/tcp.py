@@ -484,8 +484,9 @@ class TcpCommunicator(Communicator):
             logger.warning("mpshuffle: refused connection from %s: not a rank of generation %s", peer, self.generation)
             comm.abort()
             return
-        if comm.stream is not None:
-            ReadBudget.remove(comm.stream)  # a rank of the generation: its messages are chunks
+        stream = getattr(comm, "stream", None)  # inproc:// comms (processes=False clusters) have none
+        if stream is not None:
+            ReadBudget.remove(stream)  # a rank of the generation: its messages are chunks
         shm = _shm.check_probe(hello.get("shm"), hello.get("nonce"), self._shm_dir)
         try:
             await comm.write({"op": "mpshuffle-welcome", "shm": shm})

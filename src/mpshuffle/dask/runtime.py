@@ -174,6 +174,12 @@ class LocalRuntime:
             self._contexts[key] = ctx
         return ctx
 
+    @property
+    def contexts(self) -> list[WorkerContext]:
+        """This process's open contexts, oldest first."""
+        with self._lock:
+            return list(self._contexts.values())
+
     def close(self) -> None:
         """Close every context of this process (their runs fail)."""
         with self._lock:
