@@ -607,3 +607,47 @@ def test_equal_object_keys_hash_alike_in_every_partition() -> None:
     a = partition_ids(pd.DataFrame({"k": pd.Series([2.5, "y", 0.0], dtype=object)}), 1000)
     b = partition_ids(pd.DataFrame({"k": pd.Series([(3,), 2.5, -0.0], dtype=object)}), 1000)
     assert a[0] == b[1] and a[2] == b[2]
+
+
+def _mixed_input(i: int, n: int, rng: np.random.Generator) -> pd.DataFrame:
+    # Odd inputs have nulls in "n" (a validity bitmap), even ones none.
+    return pd.DataFrame(
+        {
+            "k": rng.integers(0, 50, n),
+            "b": rng.random(n) < 0.5,
+            "s": pd.Series(
+                [None if rng.random() < 0.2 else "x" * int(rng.integers(0, 12)) for _ in range(n)],
+                dtype="string[pyarrow]",
+            ),
+            "n": pd.array([None if i % 2 and rng.random() < 0.3 else int(rng.integers(0, 9)) for _ in range(n)],
+                          dtype="Int64"),
+            "f": rng.random(n),
+        },
+        index=pd.RangeIndex(100 * i, 100 * i + n),
+    )
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_gather_of_many_inserts_equals_reading_piece_by_piece(index: bool) -> None:
+    from mpshuffle.table._columns import gather
+
+    rng = np.random.default_rng(7)
+    adapter = PandasAdapter(index=index)
+    frames = [_mixed_input(i, int(rng.integers(0, 40)), rng) for i in range(6)]
+    npart = 5
+    splits = [adapter.split_for(f, ["k"], npart, rank=0, nranks=2) for f in frames]
+    # The pieces of one insert share one metadata object; their data holds their layout.
+    assert all(len({id(p.metadata) for p in s.values()}) <= 1 for s in splits)
+    for pid in range(npart):
+        pieces = [s[pid] for s in splits if pid in s]
+        assert gather(pieces) is not None  # validity in some pieces only, strings, booleans
+        got = adapter.unpack(pieces, frames[0].iloc[:0])
+        # Rows in order of input partition, then of position.
+        rows = pd.concat([f[_ids(adapter, f, npart) == pid] for f in frames])
+        expected = rows if index else rows.reset_index(drop=True)
+        pd.testing.assert_frame_equal(got, expected, check_dtype=False)
+        assert [str(t) for t in got.dtypes] == [str(t) for t in frames[0].dtypes]
+
+
+def _ids(adapter: PandasAdapter, frame: pd.DataFrame, npart: int) -> Any:
+    return adapter.partition_ids(frame, ["k"], npart)
