@@ -221,8 +221,7 @@ def test_options_are_resolved_only_where_graphs_are_built() -> None:
     assert callers["resolve_options"] == {
         "config.py",  # set_options
         "dask/graph.py",  # shuffle_graph, when no options are passed: on the client
-        "dask/dataframe.py", "dask/sort.py",  # shuffle, merge, sort_values, set_index
+        "dask/dataframe.py",  # graph_options: shuffle, merge, sort_values, set_index, rechunk
         "dask/method.py",  # Shuffle._lower, on the client (not _layer, on the scheduler)
-        "dask/rechunk.py",  # rechunk(..., method="mpshuffle"), where the array's graph is built
     }
     assert callers["with_worker_config"] == {"dask/worker.py"}

@@ -82,13 +82,7 @@ def shuffle(
     if missing:
         raise KeyError(f"shuffle key column(s) {missing!r} not in the DataFrame's columns {list(df.columns)!r}")
     npartitions = check_npartitions(df.npartitions if npartitions is None else npartitions)
-    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
-        raise ValueError(
-            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
-            "or the 'threads' or 'sync' scheduler"
-        )
-    options = resolve_options()  # the run's options: the client's, decided here
-    _warm_up(options)
+    options = graph_options()
     df = df.optimize()
     meta = df._meta
     keep_index = not ignore_index
@@ -193,6 +187,30 @@ def _skip_aliases(graph: dict[Any, Any], keys: list[Any]) -> list[Any]:
                 if refs[k] == 0:
                     unused.append(k)
     return resolved
+
+
+def graph_options() -> Options:
+    """The options of a graph being built here, on the client; bootstraps early where it can.
+
+    The one place where mpshuffle's collections (``shuffle``, ``merge``,
+    ``sort_values``, ``set_index``, ``rechunk``) decide their runs' options:
+    the client's ``dask.config``, carried by the graph from then on.
+
+    Raises
+    ------
+    ValueError
+        If Dask's multiprocessing scheduler is configured (its tasks share no state).
+    OptionError
+        If an ``mpshuffle.*`` setting is unknown or invalid.
+    """
+    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
+        raise ValueError(
+            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
+            "or the 'threads' or 'sync' scheduler"
+        )
+    options = resolve_options()
+    _warm_up(options)
+    return options
 
 
 def _warm_up(options: Options) -> None:

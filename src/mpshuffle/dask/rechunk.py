@@ -69,8 +69,7 @@ import numpy as np
 from dask._task_spec import Alias, Task, TaskRef
 from dask.base import tokenize
 
-from mpshuffle.config import resolve_options
-from mpshuffle.dask.dataframe import _warm_up
+from mpshuffle.dask.dataframe import graph_options
 from mpshuffle.dask.graph import ShuffleSpec, barrier, check_npartitions, extract, insert
 from mpshuffle.dask.method import METHOD, check_dask_version
 from mpshuffle.options import Options
@@ -146,13 +145,7 @@ def rechunk(
             f"mpshuffle rechunks arrays of numpy.ndarray blocks; this array's blocks are "
             f"{cls.__module__}.{cls.__qualname__}. Use method='tasks' or 'p2p' for it."
         )
-    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
-        raise ValueError(
-            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
-            "or the 'threads' or 'sync' scheduler"
-        )
-    options = resolve_options()  # the runs' options: the client's, decided here
-    _warm_up(options)
+    options = graph_options()
     return _build(x, new, options)
 
 

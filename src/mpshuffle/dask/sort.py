@@ -34,9 +34,8 @@ import numpy as np
 import pandas as pd
 from dask.base import tokenize
 
-from mpshuffle.config import resolve_options
 from mpshuffle.dask._checks import frame_type_error
-from mpshuffle.dask.dataframe import _collection, _skip_aliases, _warm_up
+from mpshuffle.dask.dataframe import _collection, _skip_aliases, graph_options
 from mpshuffle.dask.graph import check_npartitions, shuffle_graph
 
 __all__ = ["RangePartitioner", "set_index", "sort_values"]
@@ -355,13 +354,7 @@ def _split_points(values: list[Any], weights: Any, npartitions: int) -> list[Any
 def _range_shuffle(
     df: dd.DataFrame, partitioner: RangePartitioner, keep_index: bool
 ) -> tuple[list[Any], dict[Any, Any]]:
-    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
-        raise ValueError(
-            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
-            "or the 'threads' or 'sync' scheduler"
-        )
-    options = resolve_options()  # the run's options: the client's, decided here
-    _warm_up(options)
+    options = graph_options()
     meta = df._meta if keep_index else df._meta.reset_index(drop=True)
     token = tokenize(df._name, partitioner, keep_index, options.as_dict())
     graph = dict(df.__dask_graph__())
@@ -422,13 +415,7 @@ def _deferred_range_shuffle(
     Returns the shuffle's output keys, the graph and the hidden column's
     name (the tasks after the shuffle drop it).
     """
-    if dask.config.get("scheduler", None) in ("processes", "multiprocessing"):
-        raise ValueError(
-            "mpshuffle cannot run on Dask's multiprocessing scheduler; use a distributed Client "
-            "or the 'threads' or 'sync' scheduler"
-        )
-    options = resolve_options()  # the run's options: the client's, decided here
-    _warm_up(options)
+    options = graph_options()
     hidden = "_mpshuffle_range"
     while hidden in df.columns:
         hidden = "_" + hidden
