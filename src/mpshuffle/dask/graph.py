@@ -81,6 +81,11 @@ class ShuffleSpec:
         ``dask.config``): the scheduler and the workers read them from here,
         never from their own configuration (but for the worker options the
         client left unset, see :func:`mpshuffle.config.with_worker_config`).
+    select
+        ``None`` (every column of the input travels), or the input columns
+        that travel, in the output's order (``meta``'s columns): each insert
+        computes its rows' partitions from the whole frame, then sends only
+        these.
     """
 
     token: str
@@ -95,6 +100,7 @@ class ShuffleSpec:
     device: bool = False
     on_lossy_cast: str = "raise"
     options: Options = dataclasses.field(default_factory=Options)
+    select: tuple[Any, ...] | None = None
 
     def __dask_tokenize__(self) -> tuple[Any, ...]:
         # Every task carries the spec; its token already names the shuffle.
@@ -141,6 +147,7 @@ def shuffle_graph(
     partitioner: Any = None,
     on_lossy_cast: str = "raise",
     options: Options | None = None,
+    select: Sequence[Any] | None = None,
 ) -> tuple[dict[Any, Any], list[Any]]:
     """Build the tasks of a shuffle over a collection of frames.
 
@@ -153,7 +160,8 @@ def shuffle_graph(
     npartitions
         Number of output partitions (>= 1).
     meta
-        Empty frame with the columns and dtypes of the input (and output).
+        Empty frame with the columns and dtypes of the input (and output);
+        with ``select``, of the output (the selected columns).
     keep_index
         Keep a pandas index with the rows (otherwise it is dropped).
     name
@@ -174,6 +182,11 @@ def shuffle_graph(
         The run's :class:`~mpshuffle.options.Options`; by default resolved
         here from this process's ``dask.config`` (call this where the graph
         is built, on the client, or pass the client's options).
+    select
+        Optional input column names that travel, in output order (``meta``'s
+        columns): the partitioner (or the hash of ``on``) sees the whole input
+        frame, the shuffle moves only these; an input lacking one of them
+        fails its insert with :class:`~mpshuffle.errors.ShuffleError` naming it.
 
     Returns
     -------
@@ -208,6 +221,13 @@ def shuffle_graph(
     # the scheduler and the workers never read their own dask.config for a run.
     if options is None:
         options = resolve_options()
+    if select is not None:
+        select = tuple(select)
+        if partitioner is None and not set(on) <= set(select):
+            raise ValueError(
+                f"select {list(select)!r} must keep the key columns {list(on)!r} "
+                "when no partitioner is given (the hash reads them)"
+            )
     if on_lossy_cast not in ("raise", "keep"):
         raise ValueError(f"on_lossy_cast must be 'raise' or 'keep', got {on_lossy_cast!r}")
     device = is_device_meta(meta)
@@ -220,7 +240,9 @@ def shuffle_graph(
             )
     get_adapter(meta)  # raises TypeError for unsupported frame types
     input_keys = list(input_keys)
-    token = token or tokenize(input_keys, on, npartitions, keep_index, name, partitioner, options.as_dict())
+    token = token or tokenize(
+        input_keys, on, npartitions, keep_index, name, partitioner, options.as_dict(), select
+    )
     spec = ShuffleSpec(
         token=token,
         on=on,
@@ -234,6 +256,7 @@ def shuffle_graph(
         device=device,
         on_lossy_cast=on_lossy_cast,
         options=options,
+        select=select,
     )
     graph: dict[Any, Any] = {}
     insert_keys = []
@@ -340,12 +363,22 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec, adapter: FrameAdapte
                 f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
                 f"meta is a {type(spec.meta).__name__}"
             )
+        whole = frame
+        if spec.select is not None:
+            names = adapter.column_names(frame)
+            missing = [c for c in spec.select if c not in set(names)]
+            if missing:
+                raise ShuffleError(
+                    f"input partition {input_index} lacks the column(s) {missing!r} "
+                    f"that the shuffle sends (it has {names!r})"
+                )
+            frame = frame[list(spec.select)]  # a view: pandas copies on write
         check_columns(
             adapter.column_names(frame), meta_adapter.column_names(spec.meta),
             what=f"input partition {input_index}",
         )
         adapter = _with_index(adapter, spec)
-        ids = None if spec.partitioner is None else _partitioner_ids(adapter, frame, spec)
+        ids = None if spec.partitioner is None else _partitioner_ids(adapter, whole, spec)
         _run_of(ctx, run, spec).insert_frame(
             input_index, frame, adapter, spec.on, spec.npartitions, ids, attempt=attempt
         )

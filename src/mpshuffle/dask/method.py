@@ -189,6 +189,13 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         that computes Dask's ids in the insert; ``frame`` is then the frame
         before Dask's ``AssignPartitioningIndex`` and ``partitioning_index``
         the keys Dask hashes.
+    output_columns
+        ``None`` (every column), or the output's columns, a subset of them in
+        their order: the Projection that Dask puts after every Shuffle (it
+        drops ``_partitions``) absorbed by :meth:`_simplify_up`. The inserts
+        compute the rows' partitions first, then send only these columns, so
+        a dropped ``_partitions`` column neither travels nor costs a
+        ``getitem`` task per output partition.
 
     Notes
     -----
@@ -213,6 +220,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         "_partitions",
         "mpshuffle_options",
         "partitioning",
+        "output_columns",
     ]
     _defaults = {  # noqa: RUF012
         "ignore_index": False,
@@ -221,6 +229,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         "_partitions": None,
         "mpshuffle_options": None,
         "partitioning": None,
+        "output_columns": None,
     }
 
     def __str__(self) -> str:
@@ -247,10 +256,47 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     @functools.cached_property
     def _meta(self) -> Any:
         partitioning = self.operand("partitioning")
-        if partitioning is None:
-            return self.frame._meta
-        # As after Dask's AssignPartitioningIndex: the ids as the last column.
-        return _with_ids(self.frame._meta, 0, partitioning.ids_dtype)
+        meta = self.frame._meta
+        if partitioning is not None:
+            # As after Dask's AssignPartitioningIndex: the ids as the last column.
+            meta = _with_ids(meta, 0, partitioning.ids_dtype)
+        columns = self.operand("output_columns")
+        return meta if columns is None else meta[list(columns)]
+
+    def _simplify_up(self, parent: Any, dependents: Any) -> Any:
+        from dask.dataframe.dask_expr._expr import Projection
+
+        if isinstance(parent, Projection):
+            return self._absorb_projection(parent, dependents)
+        return super()._simplify_up(parent, dependents)
+
+    def _absorb_projection(self, parent: Any, dependents: Any) -> Any:
+        """This shuffle sending only the columns that its dependents select, or ``None``.
+
+        Dask runs its simplification again after lowering (``optimize_until``):
+        the Projection that Dask's lowering puts after every Shuffle then
+        meets this expression. The columns that all dependents use (Dask's
+        ``determine_column_projection``) become ``output_columns``, in the
+        output's order; a parent that selects exactly those is replaced by
+        the shuffle itself, any other keeps its Projection on top.
+        """
+        from dask.dataframe.dask_expr._expr import determine_column_projection
+
+        wanted = determine_column_projection(self, parent, dependents)
+        wanted_set = set(wanted if isinstance(wanted, list) else [wanted])
+        current = list(self._meta.columns)
+        kept = [c for c in current if c in wanted_set]
+        if not kept or len(kept) == len(current) or len(set(current)) != len(current):
+            return None
+        own_hash = self.operand("partitioning") is None and self._partitioning_index != [_PARTITIONS]
+        if own_hash and not set(self._partitioning_index) <= set(kept):
+            # mpshuffle's own hash reads the key columns in the pass that
+            # splits the frame: they must travel.
+            return None
+        shuffle = self.substitute_parameters({"output_columns": kept})
+        if parent.operand("columns") == kept:
+            return shuffle
+        return type(parent)(shuffle, *parent.operands[1:])
 
     def _lower(self) -> None:
         return None
@@ -283,11 +329,22 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         elif on == [_PARTITIONS]:
             partitioner = _ColumnIds(_PARTITIONS)
         name = self.frame._name
+        meta = self.frame._meta
+        columns = self.operand("output_columns")
+        select = None
+        # With Dask's partitioning computed in the insert, _partitions is no
+        # column of the frame: each extract appends it, when it is wanted.
+        appends_ids = self.operand("partitioning") is not None
+        if columns is not None:
+            select = [c for c in columns if not (appends_ids and c == _PARTITIONS)]
+            appends_ids = appends_ids and _PARTITIONS in columns
+            meta = meta[select]
         graph, keys = shuffle_graph(
             [(name, i) for i in range(self.frame.npartitions)],
             on=on,
             npartitions=self.npartitions_out,
-            meta=self.frame._meta,
+            meta=meta,
+            select=select,
             keep_index=self._keeps_index,
             name=METHOD,
             token=self._shuffle_token,
@@ -295,7 +352,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
             on_lossy_cast="keep",
             options=options,
         )
-        if partitioner is self.operand("partitioning") and partitioner is not None:
+        if appends_ids:
             for j, key in enumerate(keys):
                 _, barrier_name, _, spec = graph[key]
                 graph[key] = (_extract_with_ids, barrier_name, j, spec, partitioner.ids_dtype.str)
