@@ -56,6 +56,11 @@ from distributed import Client, LocalCluster, wait
 import mpshuffle
 import mpshuffle.dask
 
+try:  # run as a script from the repository root or from benchmarks/
+    from partitions_bench import _Sampler
+except ImportError:  # pragma: no cover
+    from benchmarks.partitions_bench import _Sampler
+
 METHODS = ("config", "function", "p2p", "tasks")
 
 
@@ -115,9 +120,11 @@ def _cpu(pids: list[int]) -> float:
 def run_once(client: Client, df: dd.DataFrame, on: str, npartitions: int, method: str,
              nbytes: int, rows: int) -> dict[str, Any]:
     pids = list(client.run(os.getpid).values())
+    before = sum(psutil.Process(p).memory_info().rss for p in pids)
     cpu0, t0 = _cpu(pids), time.perf_counter()
-    out = shuffled(method, df, on, npartitions).persist()
-    wait(out)
+    with _Sampler(pids) as sampler:
+        out = shuffled(method, df, on, npartitions).persist()
+        wait(out)
     seconds = time.perf_counter() - t0
     cpu = _cpu(pids) - cpu0
     names = {str(k[0] if isinstance(k, tuple) else k).split("-")[0] for k in out.__dask_keys__()}
@@ -128,6 +135,9 @@ def run_once(client: Client, df: dd.DataFrame, on: str, npartitions: int, method
     client.run(_trim)
     return {"method": method, "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
             "worker_cpu_seconds": cpu, "worker_cpu_s_per_gb": cpu / (nbytes / 1e9),
+            # The workers' largest summed RSS during the run (samples every
+            # 20 ms; the persisted input and output included), and its rise.
+            "peak_rss_gb": sampler.peak / 1e9, "peak_rise_gb": (sampler.peak - before) / 1e9,
             "output_key_prefixes": sorted(names), "load_average_1min": os.getloadavg()[0]}
 
 
@@ -148,7 +158,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for m in METHODS:
         rs = [r for r in runs if r["method"] == m]
         if rs:
-            out[m] = {k: stats([r[k] for r in rs]) for k in ("seconds", "mb_per_s", "worker_cpu_s_per_gb")}
+            out[m] = {k: stats([r[k] for r in rs]) for k in (
+                "seconds", "mb_per_s", "worker_cpu_s_per_gb", "peak_rss_gb", "peak_rise_gb") if k in rs[0]}
     if "config" in out:
         med = out["config"]["mb_per_s"]["median"]
         out["ratios_of_medians"] = {
@@ -238,7 +249,8 @@ def main() -> None:
                     out["round"] = r
                     runs.append(out)
                     print(f"round {r} {m:9s} {out['seconds']:7.2f} s {out['mb_per_s']:7.0f} MB/s "
-                          f"(workers' CPU {out['worker_cpu_s_per_gb']:5.2f} s/GB)", flush=True)
+                          f"(workers' CPU {out['worker_cpu_s_per_gb']:5.2f} s/GB, "
+                          f"peak {out['peak_rss_gb']:.2f} GB)", flush=True)
             results["runs"] = runs
             results["summary"] = summarize(runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -251,12 +263,14 @@ def report(results: dict[str, Any]) -> str:
     s = results["summary"]
     head = (f"{results['input_bytes'] / 1e9:.2f} GB, {results['partitions']} partitions, "
             f"{results['args']['workers']} workers x 1 thread")
-    lines = [head, f"{'method':<10} {'MB/s min / median / max':>26} {'CPU-s/GB median':>16}"]
+    lines = [head, f"{'method':<10} {'MB/s min / median / max':>26} {'CPU-s/GB median':>16} "
+                   f"{'peak GB median':>15}"]
     for m in METHODS:
         if m in s:
             v = s[m]["mb_per_s"]
+            peak = s[m].get("peak_rss_gb", {}).get("median", float("nan"))
             lines.append(f"{m:<10} {v['min']:8.0f} {v['median']:8.0f} {v['max']:8.0f} "
-                         f"{s[m]['worker_cpu_s_per_gb']['median']:16.2f}")
+                         f"{s[m]['worker_cpu_s_per_gb']['median']:16.2f} {peak:15.2f}")
     for k, v in s.get("ratios_of_medians", {}).items():
         lines.append(f"{k}: {v:.2f}")
     for m, (first, second) in results.get("first_of_fresh_cluster", {}).items():
