@@ -263,8 +263,8 @@ def report(results: dict[str, Any]) -> str:
     s = results["summary"]
     head = (f"{results['input_bytes'] / 1e9:.2f} GB, {results['partitions']} partitions, "
             f"{results['args']['workers']} workers x 1 thread")
-    lines = [head, f"{'method':<10} {'MB/s min / median / max':>26} {'CPU-s/GB median':>16} "
-                   f"{'peak GB median':>15}"]
+    lines = [head, (f"{'method':<10} {'MB/s min / median / max':>26} {'CPU-s/GB median':>16} "
+                   f"{'peak GB median':>15}")]
     for m in METHODS:
         if m in s:
             v = s[m]["mb_per_s"]
