@@ -278,10 +278,18 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         meets this expression. The columns that all dependents use (Dask's
         ``determine_column_projection``) become ``output_columns``, in the
         output's order; a parent that selects exactly those is replaced by
-        the shuffle itself, any other keeps its Projection on top.
+        the shuffle itself, any other keeps its Projection on top. Only a
+        Projection that would be a task of its own is absorbed: one that
+        feeds a blockwise expression is fused into that one's tasks.
         """
-        from dask.dataframe.dask_expr._expr import determine_column_projection
+        from dask.dataframe.dask_expr._expr import Blockwise, determine_column_projection
 
+        users = [ref() for ref in dependents.get(parent._name, ())]
+        if any(isinstance(user, Blockwise) for user in users):
+            # Dask fuses the Projection into its blockwise user's task (a
+            # merge's, say): it costs no task there, and Dask's plan keeps
+            # its shape.
+            return None
         wanted = determine_column_projection(self, parent, dependents)
         wanted_set = set(wanted if isinstance(wanted, list) else [wanted])
         current = list(self._meta.columns)
@@ -312,6 +320,21 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         index = self._meta.index
         return not (self.ignore_index and isinstance(index, pd.RangeIndex) and index.name is None)
 
+    def _appended_ids_dtype(self, partitioner: Any) -> str | None:
+        """The dtype (``numpy`` ``str``) of the ``_partitions`` column that the extracts append, or ``None``."""
+        if partitioner is not None and partitioner is self.operand("partitioning"):
+            return str(partitioner.ids_dtype.str)
+        columns = list(self.frame._meta.columns)
+        if (
+            isinstance(partitioner, _ColumnIds)
+            and columns[-1:] == [_PARTITIONS]
+            and columns.count(_PARTITIONS) == 1
+            and isinstance(self.frame._meta[_PARTITIONS].dtype, np.dtype)
+            and self.frame._meta[_PARTITIONS].dtype.kind in "iu"
+        ):
+            return str(self.frame._meta[_PARTITIONS].dtype.str)
+        return None
+
     def _layer(self) -> dict[Any, Any]:
         from mpshuffle.dask.graph import shuffle_graph
         from mpshuffle.options import Options
@@ -330,15 +353,17 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
             partitioner = _ColumnIds(_PARTITIONS)
         name = self.frame._name
         meta = self.frame._meta
-        columns = self.operand("output_columns")
-        select = None
-        # With Dask's partitioning computed in the insert, _partitions is no
-        # column of the frame: each extract appends it, when it is wanted.
-        appends_ids = self.operand("partitioning") is not None
-        if columns is not None:
-            select = [c for c in columns if not (appends_ids and c == _PARTITIONS)]
-            appends_ids = appends_ids and _PARTITIONS in columns
-            meta = meta[select]
+        # Output partition j's _partitions values are all j: where the column
+        # is Dask's ids (a hash computed in the insert, or a sort's ranges as
+        # the frame's last column), it does not travel and each extract
+        # appends it as that constant, when the output has it.
+        ids_dtype = self._appended_ids_dtype(partitioner)
+        columns = list(self._meta.columns)  # output_columns applied
+        appends_ids = ids_dtype is not None and _PARTITIONS in columns
+        select: list[Any] | None = [c for c in columns if not (ids_dtype is not None and c == _PARTITIONS)]
+        meta = meta[select]
+        if select == list(self.frame._meta.columns):
+            select = None  # every column travels
         graph, keys = shuffle_graph(
             [(name, i) for i in range(self.frame.npartitions)],
             on=on,
@@ -355,7 +380,7 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         if appends_ids:
             for j, key in enumerate(keys):
                 _, barrier_name, _, spec = graph[key]
-                graph[key] = (_extract_with_ids, barrier_name, j, spec, partitioner.ids_dtype.str)
+                graph[key] = (_extract_with_ids, barrier_name, j, spec, ids_dtype)
         if not self._filtered:
             return graph
         # Extract tasks keep their keys (extract-name, j): the scheduler plugin
