@@ -17,7 +17,7 @@ from typing import Any
 
 from mpshuffle.errors import OptionError
 
-__all__ = ["MAX_TIMEOUT", "RUN_OPTIONS", "WORKER_OPTIONS", "Options", "parse_bytes"]
+__all__ = ["MAX_TIMEOUT", "MIN_HOST_BUDGET", "RUN_OPTIONS", "WORKER_OPTIONS", "Options", "parse_bytes"]
 
 # Longest wait accepted, in seconds (a year): every wait must end, and waits
 # past threading.TIMEOUT_MAX overflow.
@@ -190,18 +190,54 @@ class Options:
         low, high = self.port.split(":")
         return (int(low), int(high))
 
-    def host_budget(self, memory_limit: int | None) -> int | None:
+    def host_budget(
+        self, memory_limit: int | None, *, ceiling: float | None = None, in_use: int = 0
+    ) -> int | None:
         """Host budget in bytes for a worker with ``memory_limit`` bytes.
 
-        Returns ``None`` (unbounded) when the budget is a fraction and the
-        worker has no memory limit.
+        A fractional ``spill_host`` is a fraction of ``memory_limit``, and at
+        most half of what the worker's own memory manager leaves: with
+        ``ceiling`` (the fraction of ``memory_limit`` at which it acts; for
+        Dask, the lower of ``distributed.worker.memory.spill`` and ``pause``)
+        and ``in_use`` (the bytes the process holds before the run), the
+        budget is ``min(spill_host * memory_limit, max(MIN_HOST_BUDGET,
+        (ceiling * memory_limit - in_use) // 2))``; the other half stays for
+        the worker's own data (the blocks or partitions going in and out).
+        Otherwise a worker whose baseline plus the run's budget passes the
+        pause fraction is paused by Dask while the run holds its memory,
+        and nothing Dask can spill frees it: the run stalls. A budget in
+        bytes is taken as given.
+
+        Parameters
+        ----------
+        memory_limit
+            The worker's memory limit in bytes, or ``None``/0 (none).
+        ceiling
+            Fraction in ``(0, 1]`` of ``memory_limit`` the worker's memory
+            should stay under, or ``None`` (no such rule).
+        in_use
+            Bytes the worker process holds already (its RSS), >= 0.
+
+        Returns
+        -------
+        int or None
+            Bytes; ``None`` (unbounded) when the budget is a fraction and the
+            worker has no memory limit.
         """
         if isinstance(self.spill_host, float):
             if not memory_limit:
                 return None
-            return int(self.spill_host * memory_limit)
+            budget = int(self.spill_host * memory_limit)
+            if ceiling is not None:
+                left = int(ceiling * memory_limit) - max(0, int(in_use))
+                budget = min(budget, max(MIN_HOST_BUDGET, left // 2))
+            return budget
         return int(self.spill_host)
 
+
+#: Smallest host budget that :meth:`Options.host_budget` derives from a fraction
+#: (a run with less spills nearly every piece it receives).
+MIN_HOST_BUDGET = 16 * 2**20
 
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")

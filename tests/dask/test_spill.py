@@ -194,3 +194,13 @@ def test_closing_the_worker_context_removes_spill_files_of_running_shuffles(tmp_
     ctx.close()  # what the worker plugin's teardown does when the worker closes
     assert os.listdir(tmp_path) == []
     assert ctx.shufflers == {} and s.closed
+
+
+def test_dasks_ceiling_is_the_lower_of_its_spill_and_pause_fractions() -> None:
+    from types import SimpleNamespace
+
+    from mpshuffle.dask.worker import _dask_ceiling
+
+    assert _dask_ceiling(SimpleNamespace(memory_spill_fraction=0.7, memory_pause_fraction=0.8)) == 0.7
+    assert _dask_ceiling(SimpleNamespace(memory_spill_fraction=False, memory_pause_fraction=0.8)) == 0.8
+    assert _dask_ceiling(SimpleNamespace(memory_spill_fraction=False, memory_pause_fraction=False)) is None

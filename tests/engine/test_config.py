@@ -93,6 +93,24 @@ def test_host_budget_in_bytes() -> None:
     assert resolve_options(spill_host="64MiB").host_budget(None) == 64 * 2**20
 
 
+def test_a_fractional_budget_leaves_half_of_what_the_worker_manager_leaves() -> None:
+    from mpshuffle.options import MIN_HOST_BUDGET
+
+    gib = 2**30
+    options = resolve_options(spill_host=0.25)
+    # Room enough: the fraction counts (0.7 * 4 GiB - 0.5 GiB = 2.3 GiB, half of it 1.15 GiB > 1 GiB).
+    assert options.host_budget(4 * gib, ceiling=0.7, in_use=gib // 2) == gib
+    # A small worker: 0.7 * 768 MiB - 350 MiB = 187.6 MiB left, half of it for the run.
+    mib = 2**20
+    assert options.host_budget(768 * mib, ceiling=0.7, in_use=350 * mib) == (int(0.7 * 768 * mib) - 350 * mib) // 2
+    # Nothing left: the smallest budget, never 0 or negative.
+    assert options.host_budget(512 * mib, ceiling=0.7, in_use=600 * mib) == MIN_HOST_BUDGET
+    # No limit stays unbounded; a budget in bytes is taken as given.
+    assert options.host_budget(None, ceiling=0.7, in_use=gib) is None
+    assert resolve_options(spill_host="1GiB").host_budget(768 * mib, ceiling=0.7, in_use=350 * mib) == gib
+
+
+
 @pytest.mark.parametrize(
     ("name", "value", "match"),
     [

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from distributed.comm.addressing import get_address_host, parse_address
 from distributed.diagnostics.plugin import WorkerPlugin
 from distributed.utils import sync
@@ -181,6 +182,8 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 generation,
                 options,
                 memory_limit=self.worker.memory_manager.memory_limit,
+                memory_ceiling=_dask_ceiling(self.worker.memory_manager),
+                memory_in_use=psutil.Process().memory_info().rss,
                 local_directory=self.worker.local_directory,
                 workers=workers,
             )
@@ -464,3 +467,18 @@ def _listen_addresses(worker_address: str, options: Options) -> list[str]:
             ) from None
     low, high = options.port_range()
     return [f"{protocol}://{host}:{port}" for port in range(low, high + 1)]
+
+
+def _dask_ceiling(manager: Any) -> float | None:
+    """The fraction of ``memory_limit`` at which Dask spills or pauses the worker (the lower), or ``None``.
+
+    A run's host budget stays under it with room for the worker's own data
+    (:meth:`mpshuffle.options.Options.host_budget`): above the pause
+    fraction Dask starts no task, and memory held by a run is none that Dask
+    can spill.
+    """
+    fractions = [
+        f for f in (getattr(manager, "memory_spill_fraction", False), getattr(manager, "memory_pause_fraction", False))
+        if f is not False and f is not None
+    ]
+    return min(float(f) for f in fractions) if fractions else None

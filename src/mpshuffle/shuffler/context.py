@@ -41,6 +41,11 @@ class WorkerContext:
     the single-process runtime, a test. It creates each run on first use
     (:meth:`shuffler`) and routes the communicator's messages to it.
 
+    The host budget is :meth:`~mpshuffle.options.Options.host_budget` of
+    ``memory_limit``, ``memory_ceiling`` (the fraction of it the worker's
+    memory manager acts at, or ``None``) and ``memory_in_use`` (the
+    process's bytes before the first run).
+
     Attributes
     ----------
     rank, nranks
@@ -90,6 +95,8 @@ class WorkerContext:
         options: Options,
         *,
         memory_limit: int | None = None,
+        memory_ceiling: float | None = None,
+        memory_in_use: int = 0,
         local_directory: str | None = None,
         workers: tuple[str, ...] = (),
     ) -> None:
@@ -104,7 +111,9 @@ class WorkerContext:
             # Errors name ranks by their workers (what a Dask user knows), not by mpshuffle's own sockets.
             comm.set_peer_names([f"worker {w}" for w in workers])
         self.device = setup_device(options, comm.rank)
-        limits: dict[MemoryType, int | None] = {MemoryType.HOST: options.host_budget(memory_limit)}
+        limits: dict[MemoryType, int | None] = {
+            MemoryType.HOST: options.host_budget(memory_limit, ceiling=memory_ceiling, in_use=memory_in_use)
+        }
         if self.device is not None:
             limits[MemoryType.DEVICE] = self.device.budget
         self.resource = BufferResource(
