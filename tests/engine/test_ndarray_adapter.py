@@ -211,3 +211,34 @@ def test_regular_cuts_take_one_copy_and_one_placement(per_partition: int, nranks
     for j in range(3):
         assert got[j].dtype == full.dtype
         np.testing.assert_array_equal(got[j], full[:, 2 * j : 2 * j + 2])
+
+
+@pytest.mark.parametrize(("per_partition", "nranks"), [(2, 2), (4, 3), (5, 1)])
+def test_grid_cuts_go_straight_into_kept_and_sent_pieces(per_partition: int, nranks: int) -> None:
+    """Blocks (1, 6, 6) of a (3, 6, 6) array to blocks (3, 2, 2): partitions that cut across rows of the grid."""
+    full = np.arange(108, dtype=np.int32).reshape(3, 6, 6)
+    side = (((0, 0, 2, 0), (1, 2, 4, 0), (2, 4, 6, 0)),)
+    plan = BlockPlan(cuts=(tuple(((0, 0, 1, t),) for t in range(3)), side, side), nout=(1, 3, 3),
+                     per_partition=per_partition)
+    pool = HostPool(limit=2**24)
+    by_pid: dict[int, list] = {}
+    for rank in range(nranks):
+        for t in range(3):
+            pieces = NDArrayAdapter(full.dtype, plan, (t, 0, 0)).split_for(
+                full[t : t + 1], (), plan.npartitions, rank=rank, nranks=nranks, pool=pool
+            )
+            assert sorted(pieces) == list(range(plan.npartitions))
+            sent = [p.data for pid, p in pieces.items() if pid % nranks != rank or nranks == 1]
+            kept = [p.data for pid, p in pieces.items() if pid % nranks == rank and nranks > 1]
+            assert len({d.parent.address for d in sent}) <= 1  # the pieces sent away share one buffer
+            if sent:
+                lo, hi = sent[0].parent.address, sent[0].parent.address + sent[0].parent.size
+                assert all(d.address + d.size <= lo or d.address >= hi for d in kept)  # each kept one is apart
+            for pid, piece in pieces.items():
+                if pid % nranks == rank:
+                    by_pid.setdefault(pid, []).append(piece)
+    got = {b: a for pieces in by_pid.values() for b, a in NDArrayAdapter(full.dtype).unpack(pieces, None).items()}
+    assert sorted(got) == list(range(9))
+    for b in range(9):
+        j1, j2 = divmod(b, 3)
+        np.testing.assert_array_equal(got[b], full[:, 2 * j1 : 2 * j1 + 2, 2 * j2 : 2 * j2 + 2])

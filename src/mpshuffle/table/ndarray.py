@@ -518,12 +518,14 @@ def _regular_grid(plan: BlockPlan, where: tuple[int, ...]) -> _Grid | None:
 def _pack_grid(
     frame: Any, plan: BlockPlan, grid: _Grid, rank: int, nranks: int, pool: HostPool | None
 ) -> dict[int, PackedData]:
-    """Cut a block whose cuts form a regular grid: one strided copy, then one piece per partition.
+    """Cut a block whose cuts form a regular grid straight into its pieces: one strided copy per byte.
 
     The cuts lie back to back in C order of the grid (which is the order of
-    their output blocks, so each partition's cuts are one byte range). Pieces
-    sent away are slices of that buffer; a kept partition's range is copied
-    into a buffer of its own, so the shared one goes once everything is sent.
+    their output blocks, so each partition's cuts are one byte range). The
+    pieces sent away share one buffer (reused once sent); each partition this
+    rank keeps gets a buffer of its own (held until it is extracted). Every
+    byte of the block is copied once, from the block into its piece, by a
+    few strided copies per piece (:func:`_grid_segments`).
     """
     ndim = len(grid)
     counts = [len(g[2]) for g in grid]
@@ -532,10 +534,6 @@ def _pack_grid(
     split = region.reshape([v for n, length in zip(counts, lengths, strict=True) for v in (n, length)])
     view = split.transpose([*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)])
     cut_bytes = math.prod(lengths) * frame.dtype.itemsize
-    total = cut_bytes * math.prod(counts)
-    whole = pool.allocate(total) if pool is not None else pa.py_buffer(_empty_aligned(total))
-    target = np.frombuffer(whole, dtype=np.uint8).view(frame.dtype).reshape(view.shape)
-    np.copyto(target, view, casting="no")
     # The offset index of every cut, in cut order.
     mesh = np.meshgrid(*[g[2] for g in grid], indexing="ij")
     block: npt.NDArray[np.int64] = np.sum([m.ravel() for m in mesh], axis=0, dtype=np.int64)
@@ -549,18 +547,71 @@ def _pack_grid(
         rows[:, 2 + ndim + a] = lengths[a]
     part = rows[:, 0] // plan.per_partition
     bounds = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), ncuts]
+    ranges = list(itertools.pairwise(bounds))
+    kept = [nranks > 1 and partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
+    away = sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k) * cut_bytes
+
+    def fresh(nbytes: int) -> pa.Buffer:
+        return pool.allocate(nbytes) if pool is not None else pa.py_buffer(_empty_aligned(nbytes))
+
+    shared = fresh(away) if away else None
+    shared_bytes = np.frombuffer(shared, dtype=np.uint8) if shared is not None else None
     elements = math.prod(lengths)
     pieces = {}
-    for lo, hi in itertools.pairwise(bounds):
-        pid = int(part[lo])
-        data: Any = whole.slice(lo * cut_bytes, (hi - lo) * cut_bytes)
-        if partition_owner(pid, nranks) == rank and nranks > 1:
-            own = pool.allocate(data.size) if pool is not None else pa.py_buffer(_empty_aligned(data.size))
-            np.frombuffer(own, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
-            data = own
+    at = 0  # next byte of the shared buffer
+    for (lo, hi), keep in zip(ranges, kept, strict=True):
+        nbytes = (hi - lo) * cut_bytes
+        if not nbytes:
+            data: Any = b""
+        elif keep:
+            data = fresh(nbytes)
+            target_bytes = np.frombuffer(data, dtype=np.uint8)
+        else:
+            assert shared is not None and shared_bytes is not None
+            data = shared.slice(at, nbytes)
+            target_bytes = shared_bytes[at : at + nbytes]
+            at += nbytes
+        segments = _grid_segments(counts, lo, hi) if nbytes else iter(())
+        target = target_bytes.view(frame.dtype).reshape(hi - lo, *lengths) if nbytes else None
+        done = 0
+        for where in segments:
+            assert target is not None
+            src = view[where]
+            n = src.size // elements
+            np.copyto(target[done : done + n].reshape(src.shape), src, casting="no")
+            done += n
         index = rows[lo:hi].copy()
         index[:, 1] -= lo * cut_bytes
-        pieces[pid] = PackedData(
+        pieces[int(part[lo])] = PackedData(
             _HEAD.pack(RAW, ndim, hi - lo) + index.tobytes(), data, (hi - lo) * elements
         )
     return pieces
+
+
+def _grid_segments(counts: Sequence[int], lo: int, hi: int) -> Iterator[tuple[Any, ...]]:
+    """Index tuples into a grid of ``counts`` cuts that cover cuts ``lo:hi`` (C order), in order.
+
+    Each tuple fixes the leading axes, takes a range of one axis and all of
+    the axes after it, so each is one strided copy; a range of cuts gives
+    at most two per axis.
+    """
+    def walk(axis: int, prefix: tuple[Any, ...], lo: int, hi: int) -> Iterator[tuple[Any, ...]]:
+        inner = math.prod(counts[axis + 1 :])
+        first, last = lo // inner, -(-hi // inner)  # the axis's indices touched
+        if lo % inner == 0 and hi % inner == 0:
+            yield (*prefix, slice(first, last))
+            return
+        if last - first == 1:
+            yield from walk(axis + 1, (*prefix, first), lo - first * inner, hi - first * inner)
+            return
+        if lo % inner:
+            yield from walk(axis + 1, (*prefix, first), lo - first * inner, inner)
+            first += 1
+        full_end = hi // inner
+        if full_end > first:
+            yield (*prefix, slice(first, full_end))
+        if hi % inner:
+            yield from walk(axis + 1, (*prefix, full_end), 0, hi - full_end * inner)
+
+    if hi > lo:
+        yield from walk(0, (), lo, hi)
