@@ -9,8 +9,9 @@ Not a test. Three cases on one LocalCluster per case (``--workers`` x
   until every output block is in memory.
 * ``space-to-time``: the reverse, from a persisted ``(T, S/20, S/20)`` array.
 * ``out-of-core``: time-to-space of an array ``--factor`` times the workers'
-  memory (``--memory-limit`` each; mpshuffle's budget is its default, a
-  quarter of that), generated block by block inside the graph and checked
+  memory (``--memory-limit`` each; mpshuffle's budget is its default: a
+  quarter of that, at most half of what Dask's spill fraction leaves above the
+  worker's baseline, recorded in the JSON), generated block by block inside the graph and checked
   block by block, never held whole: the timing covers generation, rechunk
   and check, the same work for every method.
 
@@ -135,16 +136,18 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         t = max(1, int(args.factor * args.workers * dask.utils.parse_bytes(limit) / per_step))
     shape = (t, side, side)
     rows: list[dict[str, Any]] = []
+    methods = tuple(args.methods.split(","))
     with tempfile.TemporaryDirectory(prefix="mpshuffle-rechunk-bench-") as tmp, LocalCluster(
         n_workers=args.workers, threads_per_worker=args.threads, processes=True,
         dashboard_address=":0", memory_limit=limit, local_directory=tmp,
     ) as cluster, Client(cluster) as client:
         pids = list(client.run(os.getpid).values())
         mpshuffle.dask.bootstrap_dask_cluster(client)
+        budgets: list[Any] = []
         sampler = MemorySampler()
         # Untimed warm-up of each method on a small array.
         warm = source((8, 40, 40), (1, 40, 40)).persist()
-        for m in METHODS:
+        for m in methods:
             with dask.config.set({"array.rechunk.method": m}):
                 assert int(client.compute(check(warm.rechunk((8, 2, 2)))).result()) == 0
         del warm
@@ -157,15 +160,20 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         if case != "out-of-core":
             wait(x)
         for r in range(args.repeat):
-            order = METHODS[r % 3 :] + METHODS[: r % 3]
+            order = methods[r % len(methods) :] + methods[: r % len(methods)]
             for m in order:
                 row = _one(client, case, m, x, target, pids, sampler, f"{case}-{m}-{r}")
                 row["round"] = r
+                if m == "mpshuffle":
+                    stats = mpshuffle.dask.gather_statistics(client)
+                    runs = [s for per in stats.values() for s in per]
+                    row["bytes_spilled_disk"] = sum(s["bytes_spilled_disk"] for s in runs)
+                    budgets = sorted({s["options"]["host_budget"] for s in runs if s.get("options")})
                 rows.append(row)
                 print(f"{case:14s} round {r} {m:9s} {row['seconds']:7.2f} s  cpu {row['cpu_seconds']:6.1f} s  "
                       f"peak {row['peak_bytes'] / 2**30:5.2f} GiB", flush=True)
     summary: dict[str, Any] = {}
-    for m in METHODS:
+    for m in methods:
         mine = [r for r in rows if r["method"] == m]
         secs = [r["seconds"] for r in mine]
         peaks = [r["peak_bytes"] for r in mine]
@@ -175,7 +183,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                          "max": round(max(peaks) / 2**30, 2)},
             "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in mine),
         }
-    for m in ("p2p", "tasks"):
+    for m in (m for m in methods if m != "mpshuffle"):
         # Per round, the other method's time over mpshuffle's (pairs from the same round).
         ratios = [
             next(r["seconds"] for r in rows if r["method"] == m and r["round"] == k)
@@ -186,7 +194,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                              "max": round(max(ratios), 2)}
     return {
         "case": case, "shape": list(shape), "dtype": "float32", "bytes": int(np.prod(shape)) * 4,
-        "memory_limit_per_worker": limit, "rows": rows, "summary": summary,
+        "memory_limit_per_worker": limit, "host_budget_per_worker": budgets, "rows": rows, "summary": summary,
     }
 
 
@@ -200,6 +208,7 @@ def main() -> None:
     parser.add_argument("--memory-limit", default="1GiB", help="per worker, out-of-core case")
     parser.add_argument("--factor", type=float, default=3.0, help="out-of-core array / workers' memory")
     parser.add_argument("--cases", default="time-to-space,space-to-time,out-of-core")
+    parser.add_argument("--methods", default=",".join(METHODS), help="methods to alternate (mpshuffle first)")
     parser.add_argument("--name", default="rechunk")
     parser.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
     args = parser.parse_args()
