@@ -70,42 +70,41 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
     inputs = [_host_table(i, 1000) for i in range(4)]
     for i, t in enumerate(inputs):
         run.insert(i, DeviceTable(t), ["key"], NPART)
-    # The outbox went device -> host -> disk. On one rank every row stays here,
-    # so the buffers went piece by piece into one file per output partition
-    # (as received buffers do), not whole under outbox/.
+    # The outbox went device -> host -> disk (the store's policy). On one rank
+    # every row stays here, so the buffers went piece by piece (as received
+    # buffers do) into the rank's one spill file, as the host path's postbox.
     stats = run.statistics
     assert stats["bytes_spilled_host"] > 0 and stats["bytes_spilled_disk"] > 0
     assert resource.used(MemoryType.DISK) == stats["bytes_spilled_disk"]
     assert resource.used(MemoryType.DEVICE) <= LIMIT and resource.used(MemoryType.HOST) <= LIMIT
-    per_partition = [os.path.join("mpshuffle-g-op7-r0", f"part-{j}.bin") for j in range(NPART)]
-    assert _files(tmp_path) == per_partition
+    one_file = [os.path.join("mpshuffle-g-op7-r0", "pieces.bin")]
+    assert _files(tmp_path) == one_file
     spilled = stats["bytes_spilled_disk"]
 
     run.barrier(NPART)
     assert stats["rounds"] == 4
     # Nothing was read back for a round, nor written again.
-    assert _files(tmp_path) == per_partition
+    assert _files(tmp_path) == one_file
     assert stats["bytes_unspilled_disk"] == 0 and stats["bytes_spilled_disk"] == spilled
     assert resource.used(MemoryType.HOST) <= LIMIT
 
     reads: list[int] = []
-    real_read = run._spill_in.read
+    real_get = run._disk.get
 
-    def counting_read(pid: int) -> memoryview:
-        reads.append(pid)
-        return real_read(pid)
+    def counting_get(ranges: Any) -> list[memoryview]:
+        reads.append(len(ranges))
+        return real_get(ranges)
 
-    run._spill_in.read = counting_read  # type: ignore[method-assign]
+    run._disk.get = counting_get  # type: ignore[method-assign]
     parts = []
     for j in range(NPART):
         on_disk = resource.used(MemoryType.DISK)
         pieces = run.extract(j)
         assert len(pieces) == 4  # one piece per input partition (1000 random keys each)
-        assert reads == list(range(j + 1))  # one read of partition j's file in its extract
+        assert reads == [4] * (j + 1)  # one read of partition j's 4 byte ranges in its extract
         parts.append(_unpack(pieces, inputs[0]))
         if j < NPART - 1:  # (the last extract closes the run)
             assert 0 < resource.used(MemoryType.DISK) < on_disk  # partition j's pieces left the disk
-            assert os.path.join("mpshuffle-g-op7-r0", f"part-{j}.bin") not in _files(tmp_path)
     _check_output(parts, inputs, NPART)
     assert stats["bytes_unspilled_disk"] == stats["bytes_spilled_disk"]
     assert stats["seconds_spill_disk"] > 0 and stats["seconds_unspill_disk"] > 0
@@ -155,16 +154,16 @@ def test_worker_context_gives_the_device_run_its_spill_directory(tmp_path: Any) 
 def _disk_full_after(monkeypatch: pytest.MonkeyPatch, ok_writes: int) -> dict[str, int]:
     from mpshuffle.memory import spill as spill_module
 
-    real = spill_module._write_all
+    real = spill_module._pwritev_all
     calls = {"n": 0}
 
-    def fills_up(f: Any, view: memoryview) -> None:
-        calls["n"] += 1
+    def fills_up(fd: int, parts: Any, at: int, want: int) -> None:
+        calls["n"] += 1  # one call per buffer written (its pieces in one writev)
         if calls["n"] > ok_writes:
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(f, view)
+        real(fd, parts, at, want)
 
-    monkeypatch.setattr(spill_module, "_write_all", fills_up)
+    monkeypatch.setattr(spill_module, "_pwritev_all", fills_up)
     return calls
 
 

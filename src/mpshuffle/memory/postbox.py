@@ -1,10 +1,13 @@
 """The postbox: received pieces of output partitions, under the host budget.
 
-Pieces are kept in memory while the host use of the worker's
+The postbox is the host tier of the one store (:mod:`mpshuffle.memory.store`)
+for the host runs, and follows its arrival rule (:func:`~mpshuffle.memory.store.admits`):
+pieces are kept in memory while the host use of the worker's
 :class:`BufferResource` stays within its budget; a chunk that would pass the
-budget is written to the run's :class:`SpillDirectory` instead, as its packed
-buffers (no per-row work, one ``writev`` into the rank's one spill file),
-and its pieces' byte ranges are read back when their partition is popped.
+budget goes one tier down at once, into the store's
+:class:`~mpshuffle.memory.store.DiskTier`, as its packed buffers (no per-row
+work, one ``writev`` into the rank's one spill file), and its pieces' byte
+ranges are read back when their partition is popped.
 A chunk's pieces usually share one receive buffer, so a chunk is kept or
 spilled as a whole: keeping a single piece would pin the whole buffer.
 
@@ -17,7 +20,6 @@ popped), metadata counted once per distinct object
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +27,7 @@ from mpshuffle.errors import SpillError
 from mpshuffle.memory.packed import PackedData, packed_nbytes
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
+from mpshuffle.memory.store import DiskTier, admits
 
 __all__ = ["Postbox"]
 
@@ -75,24 +78,21 @@ class Postbox:
 
     Attributes
     ----------
-    bytes_spilled, bytes_unspilled
-        Bytes of piece data written to disk and read back so far.
-    seconds_spill, seconds_unspill
-        Wall time spent writing and reading spill files, in seconds.
+    disk
+        The store's disk tier for this postbox (its one spill file); its
+        counters are :attr:`bytes_spilled`, :attr:`bytes_unspilled`,
+        :attr:`seconds_spill` and :attr:`seconds_unspill`.
     """
 
     def __init__(self, resource: BufferResource, name: str) -> None:
         self.resource = resource
         self.name = name
         self.spill = SpillDirectory(resource.spill_path(name), owner=resource.owner)
+        self.disk = DiskTier(self.spill)
         self._pieces: dict[int, list[_Entry]] = {}
         self._lock = threading.Lock()
         self._error: SpillError | None = None
         self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
-        self.bytes_spilled = 0
-        self.bytes_unspilled = 0
-        self.seconds_spill = 0.0
-        self.seconds_unspill = 0.0
 
     def add(self, partition_id: int, order: Any, piece: PackedData) -> None:
         """Hold ``piece`` of output partition ``partition_id``; ``order`` sorts pieces.
@@ -124,24 +124,21 @@ class Postbox:
         if not entries:
             return
         nbytes = packed_nbytes(piece for _, _, piece in entries)
-        available = self.resource.available(MemoryType.HOST)
-        if available is None or nbytes <= available or not nbytes:
+        if admits(self.resource, MemoryType.HOST, nbytes):
             with self._lock:
                 share = _Share(self.resource.reserve(MemoryType.HOST, nbytes), len(entries))
                 self._held[MemoryType.HOST] += nbytes
                 for pid, order, piece in entries:
                     self._pieces.setdefault(pid, []).append((order, piece, share))
             return
-        t0 = time.perf_counter()
         try:
-            offsets = self.spill.append([piece.data for _, _, piece in entries])
+            ranges = self.disk.put([piece.data for _, _, piece in entries])
         except SpillError as e:
             self._fail(e)
             raise
-        self.seconds_spill += time.perf_counter() - t0
         spilled = [
-            (pid, order, _Spilled(piece.metadata, piece.nrows, offset, _size(piece.data)))
-            for (pid, order, piece), offset in zip(entries, offsets, strict=True)
+            (pid, order, _Spilled(piece.metadata, piece.nrows, offset, size))
+            for (pid, order, piece), (offset, size) in zip(entries, ranges, strict=True)
         ]
         disk = sum(record.nbytes for _, _, record in spilled)
         with self._lock:
@@ -149,7 +146,6 @@ class Postbox:
             self._held[MemoryType.DISK] += disk
             for pid, order, record in spilled:
                 self._pieces.setdefault(pid, []).append((order, record, share))
-            self.bytes_spilled += disk
 
     def _fail(self, error: SpillError) -> None:
         self._error = error
@@ -180,20 +176,16 @@ class Postbox:
                     entries = [e for e in entries if keep(e[0])]
         spilled = [(k, e[1]) for k, e in enumerate(entries) if type(e[1]) is _Spilled]
         if spilled:
-            t0 = time.perf_counter()
             try:
-                buf, positions = self.spill.read_ranges([(r.offset, r.nbytes) for _, r in spilled])
+                views = self.disk.get([(r.offset, r.nbytes) for _, r in spilled])  # type: ignore[union-attr]
             except SpillError as e:
                 with self._lock:
                     self._done(entries)
                 self._fail(e)
                 raise
-            self.seconds_unspill += time.perf_counter() - t0
-            for (k, record), at in zip(spilled, positions, strict=True):
+            for (k, record), view in zip(spilled, views, strict=True):
                 order, _, share = entries[k]
-                piece = PackedData(record.metadata, buf[at : at + record.nbytes], record.nrows)  # type: ignore[union-attr]
-                entries[k] = (order, piece, share)
-                self.bytes_unspilled += record.nbytes  # type: ignore[union-attr]
+                entries[k] = (order, PackedData(record.metadata, view, record.nrows), share)  # type: ignore[union-attr]
         entries.sort(key=lambda e: e[0])
         with self._lock:
             self._done(entries)
@@ -210,6 +202,26 @@ class Postbox:
                 if reservation.nbytes:
                     held[reservation.memory_type] -= reservation.nbytes
                     reservation.release()
+
+    @property
+    def bytes_spilled(self) -> int:
+        """Bytes of piece data written to disk so far."""
+        return self.disk.bytes_written
+
+    @property
+    def bytes_unspilled(self) -> int:
+        """Bytes of piece data read back from disk so far."""
+        return self.disk.bytes_read
+
+    @property
+    def seconds_spill(self) -> float:
+        """Wall time spent writing the spill file, in seconds."""
+        return self.disk.seconds_write
+
+    @property
+    def seconds_unspill(self) -> float:
+        """Wall time spent reading the spill file, in seconds."""
+        return self.disk.seconds_read
 
     @property
     def nbytes(self) -> int:
@@ -232,8 +244,3 @@ class Postbox:
                 share.reservation.release()
             self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
         self.spill.remove()
-
-
-def _size(data: Any) -> int:
-    size = getattr(data, "size", None)
-    return size if isinstance(size, int) else memoryview(data).nbytes

@@ -1,17 +1,19 @@
 """The buffers of a device run: outbox, received and consolidated buffers in their memory tiers.
 
 A :class:`DeviceBuffer` is one 1-D ``uint8`` buffer of packed pieces; it
-lives on the device (``DEVICE``), in host memory (``HOST``) or in the run's
-spill directory (``DISK``). :class:`Outgoing` is an inserted table waiting for
+lives in one tier of the one store (:mod:`mpshuffle.memory.store`): on the
+device (``DEVICE``), in host memory (``HOST``) or in the run's spill file
+(``DISK``), and moves down by the store's policy (:class:`Held`,
+:func:`~mpshuffle.memory.store.spill_down`). :class:`Outgoing` is an inserted table waiting for
 its exchange, :class:`Incoming` what one rank sent of one input partition,
 :class:`Output` one consolidated output partition.
 
-Spill files: one directory per run and rank,
-``<spill_dir>/<spill_prefix>-op<op_id>-r<rank>``, made on the first write and
-removed with everything in it when the run closes or fails. A received
-buffer is written piece by piece into one file per output partition (as the
-host path's postbox does), so an extract reads one file; an outbox buffer is
-written whole into ``outbox/``, to be read back for its exchange round,
+Spill file: the store's :class:`~mpshuffle.memory.store.DiskTier`, one file
+per run and rank (in ``<spill_dir>/<spill_prefix>-op<op_id>-r<rank>``, as the
+host path's postbox), made on the first write and removed with its directory
+when the run closes or fails. A received buffer is written piece by piece
+(one ``writev``), and an extract reads its partition's pieces back by range;
+an outbox buffer is written whole, to be read back for its exchange round,
 unless all its rows stay on this rank (:func:`own_pieces`; always so on one
 rank): it is written piece by piece like a received buffer, which it becomes.
 
@@ -23,19 +25,18 @@ tested with NumPy stand-ins.
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from mpshuffle.errors import SpillError
-from mpshuffle.memory import BufferResource, MemoryType, Reservation, SpillDirectory
+from mpshuffle.memory import BufferResource, MemoryType, Reservation
+from mpshuffle.memory.store import DiskTier, to_host
 from mpshuffle.table import owned_partitions
 
 __all__ = [
     "DeviceBuffer",
+    "Held",
     "Incoming",
     "Outgoing",
     "Output",
@@ -44,9 +45,7 @@ __all__ = [
     "cupy_module",
     "device_ptr",
     "empty_device",
-    "over",
     "own_pieces",
-    "spill_down",
     "to_device",
 ]
 
@@ -57,67 +56,61 @@ class DeviceBuffer:
     data: Any  # 1-D uint8, CuPy (device) or NumPy (spilled / host twin); None while on disk
     reservation: Reservation
     on_device: bool = True
-    # While on disk: per written segment (file key, offset in that file, bytes, DISK reservation).
-    disk: list[tuple[int, int, int, Reservation]] | None = None
+    # While on disk: per written segment (offset in the rank's spill file, bytes, DISK reservation).
+    disk: list[tuple[int, int, Reservation]] | None = None
+
+    @property
+    def tier(self) -> MemoryType:
+        """The store tier the buffer is in now."""
+        if self.disk is not None:
+            return MemoryType.DISK
+        return MemoryType.DEVICE if self.on_device else MemoryType.HOST
 
     def spill(self, resource: BufferResource) -> int:
-        """Move to host memory; return the bytes moved (0 if already there)."""
+        """Move to host memory (the device tier's move down); return the bytes moved (0 if already there)."""
         if not self.on_device:
             return 0
         nbytes = int(self.data.nbytes)
-        data = self.data
-        self.data = data.get() if hasattr(data, "get") else data.copy()
+        self.data = to_host(self.data)
         self.reservation.release()
         self.reservation = resource.reserve(MemoryType.HOST, nbytes)
         self.on_device = False
         return nbytes
 
-    def spill_to_disk(
-        self, resource: BufferResource, directory: SpillDirectory, segments: Sequence[tuple[int, int, int]]
-    ) -> int:
-        """Write a host buffer's ``(file key, start, end)`` byte ranges to ``directory``.
+    def spill_to_disk(self, resource: BufferResource, disk: DiskTier, segments: Sequence[tuple[int, int]]) -> int:
+        """Append a host buffer's ``(start, end)`` byte ranges to the run's spill file (one write).
 
-        The host memory is given up and the written bytes are accounted as
-        ``DISK``. Returns the bytes written (0 for a buffer on the device or
-        already on disk).
+        The host memory is given up and each written segment is accounted
+        as ``DISK``. Returns the bytes written (0 for a buffer on the
+        device or already on disk).
 
         Raises
         ------
         SpillError
-            If a write failed; the buffer stays in host memory (what was
+            If the write failed; the buffer stays in host memory (what was
             written goes when the run's directory is removed).
         """
         if self.on_device or self.disk is not None:
             return 0
-        written: list[tuple[int, int, int, Reservation]] = []
-        try:
-            for key, start, end in segments:
-                offset, nbytes = directory.write(key, self.data[start:end])
-                written.append((key, offset, nbytes, resource.reserve(MemoryType.DISK, nbytes)))
-        except SpillError:
-            for *_, res in written:
-                res.release()
-            raise
-        self.disk = written
+        ranges = disk.put([self.data[start:end] for start, end in segments])
+        self.disk = [(offset, nbytes, resource.reserve(MemoryType.DISK, nbytes)) for offset, nbytes in ranges]
         self.data = None
         self.reservation.release()
-        return sum(w[2] for w in written)
+        return sum(nbytes for _, nbytes in ranges)
 
-    def load(self, resource: BufferResource, directory: SpillDirectory) -> int:
+    def load(self, resource: BufferResource, disk: DiskTier) -> int:
         """Read a buffer written as one segment back into host memory; return the bytes read.
 
         Raises
         ------
         SpillError
-            If the file cannot be read.
+            If the spill file cannot be read or ends early.
         """
         if self.disk is None:
             return 0
-        ((key, offset, nbytes, res),) = self.disk
-        view = directory.read(key)  # one key per buffer: the file holds only this buffer
-        if len(view) < offset + nbytes:
-            raise SpillError(f"spill file {key} in {directory.path} is missing or short (the run was freed)")
-        self.data = np.frombuffer(view, dtype=np.uint8)[offset : offset + nbytes]
+        ((offset, nbytes, res),) = self.disk
+        (view,) = disk.get([(offset, nbytes)])
+        self.data = np.frombuffer(view, dtype=np.uint8)
         self.disk = None
         res.release()
         self.reservation = resource.reserve(MemoryType.HOST, nbytes)
@@ -128,6 +121,38 @@ class DeviceBuffer:
         self.reservation.release()
         for *_, res in self.disk or ():
             res.release()
+
+
+@dataclasses.dataclass
+class Held:
+    """A :class:`DeviceBuffer` as the store holds it (a :class:`~mpshuffle.memory.store.Spillable`).
+
+    ``segments`` are the ``(start, end)`` byte ranges it is written to disk
+    as: one per piece for a received buffer (or an outbox buffer whose rows
+    all stay here), the whole buffer for an outbox buffer with rows for peers.
+    """
+
+    buffer: DeviceBuffer
+    segments: list[tuple[int, int]]
+    resource: BufferResource
+    disk: DiskTier
+
+    @property
+    def tier(self) -> MemoryType:
+        """The tier the buffer is in now."""
+        return self.buffer.tier
+
+    def move_down(self) -> int:
+        """Device -> host, or host -> disk; the bytes moved.
+
+        Raises
+        ------
+        SpillError
+            If writing to disk failed.
+        """
+        if self.buffer.on_device:
+            return self.buffer.spill(self.resource)
+        return self.buffer.spill_to_disk(self.resource, self.disk, self.segments)
 
 
 # One piece of a buffer: (pid, offset in the range, data bytes, rows).
@@ -218,77 +243,6 @@ def own_pieces(out: Outgoing, rank: int) -> list[Piece] | None:
         return None
     start, _, pieces = out.ranges[rank]
     return [(pid, off + start, nbytes, rows) for pid, off, nbytes, rows in pieces]
-
-
-def over(resource: BufferResource, memory_type: MemoryType) -> bool:
-    """Whether ``resource``'s use of ``memory_type`` is past its budget."""
-    available = resource.available(memory_type)
-    return available is not None and available < 0
-
-
-def spill_down(
-    resource: BufferResource,
-    entries: list[tuple[DeviceBuffer, list[Piece] | None]],
-    scope: Callable[[], AbstractContextManager[Any]],
-    spill_in: SpillDirectory,
-    spill_out: SpillDirectory,
-    outbox_keys: Iterator[int],
-    count: Callable[[str, float], None],
-) -> None:
-    """Move the oldest buffers down a tier while a tier is over its budget.
-
-    Device buffers are copied to host while the ``DEVICE`` use is past its
-    budget; then host buffers are written to disk while the ``HOST`` use is
-    past its budget (the worker's, shared with its host shuffles).
-
-    Parameters
-    ----------
-    entries
-        Buffers oldest first, each with its pieces (a received buffer, or an
-        outbox buffer whose rows all stay on this rank: written piece by
-        piece into one file per output partition under ``spill_in``) or
-        ``None`` (an outbox buffer with rows for peers, written whole under
-        ``spill_out`` with the next key of ``outbox_keys``).
-    scope
-        Makes the buffers' GPU current (for the device-to-host copies).
-    count
-        ``count(statistic, amount)`` adds to the run's statistics
-        (``bytes_spilled_host``, ``seconds_spill_host``, ``bytes_spilled_disk``,
-        ``seconds_spill_disk``), also for what was written before an error.
-
-    Raises
-    ------
-    SpillError
-        If writing to disk failed (e.g. the disk is full).
-    """
-    if over(resource, MemoryType.DEVICE):
-        t0 = time.perf_counter()
-        moved = 0
-        with scope():
-            for b, _ in entries:
-                if not over(resource, MemoryType.DEVICE):
-                    break
-                moved += b.spill(resource)
-        count("bytes_spilled_host", moved)
-        count("seconds_spill_host", time.perf_counter() - t0)
-    if not over(resource, MemoryType.HOST):
-        return
-    t0 = time.perf_counter()
-    written = 0
-    try:
-        for b, pieces in entries:
-            if not over(resource, MemoryType.HOST):
-                break
-            if b.on_device or b.disk is not None:
-                continue
-            if pieces is None:
-                written += b.spill_to_disk(resource, spill_out, [(next(outbox_keys), 0, int(b.data.nbytes))])
-            else:
-                segments = [(pid, off, off + nbytes) for pid, off, nbytes, _ in pieces]
-                written += b.spill_to_disk(resource, spill_in, segments)
-    finally:
-        count("bytes_spilled_disk", written)
-        count("seconds_spill_disk", time.perf_counter() - t0)
 
 
 def device_ptr(a: Any) -> int:

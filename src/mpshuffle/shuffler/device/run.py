@@ -11,7 +11,8 @@ for :class:`~mpshuffle.table.device.DeviceTable` partitions with CuPy columns.
   device budget (``spill_device``) the oldest outbox buffers are copied to
   host memory (and accounted as ``HOST``), and past the host budget
   (``spill_host``) the oldest host buffers are written to the run's spill
-  directory (accounted as ``DISK``).
+  file (accounted as ``DISK``): the one store's policy
+  (:mod:`mpshuffle.memory.store`), as for the host runs.
 * **barrier**: the barrier task sends ``inputs-done`` to every rank over the
   host communicator, naming per input partition the insert attempt whose
   result Dask kept (an abandoned insert execution's table is left out of the
@@ -37,9 +38,9 @@ for :class:`~mpshuffle.table.device.DeviceTable` partitions with CuPy columns.
   barrier when its exchange ended (with the error, if any).
 * **extract**: waits for the exchange and returns the partition's one
   consolidated piece; without consolidation, its pieces (views into the
-  received buffers, on the device or spilled to host, or slices of the
-  partition's spill file, read back to host once per extract and deleted
-  then), ordered by input partition, which the device adapter concatenates
+  received buffers, on the device or spilled to host, or the partition's
+  byte ranges of the rank's spill file, read back to host in one read per
+  extract), ordered by input partition, which the device adapter concatenates
   on the GPU.
 
 Exchanges of one generation run one at a time on each rank, in rank 0's
@@ -56,9 +57,7 @@ tasks.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,9 +70,11 @@ import numpy as np
 from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
 from mpshuffle.memory.device import batched_copy
+from mpshuffle.memory.store import DiskTier, over, spill_down
 from mpshuffle.shuffler.device import buffers, exchange
 from mpshuffle.shuffler.device.buffers import (
     DeviceBuffer,
+    Held,
     Incoming,
     Outgoing,
     Output,
@@ -151,12 +152,10 @@ class DeviceRun(Run):
         self._reply_to: list[int] = []
         self._exchanged = threading.Event()
         self._adapter = DeviceAdapter()
-        # Received pieces go to disk into one file per output partition (an
-        # extract reads one file); outbox buffers whole, one file each, below it.
+        # The store's disk tier: every buffer that goes to disk is appended to
+        # the rank's one spill file and read back by range (as the host path's postbox).
         path = resource.spill_path(f"op{op_id}-r{comm.rank}")  # named as the host path's postbox
-        self._spill_in = SpillDirectory(path, owner=resource.owner)
-        self._spill_out = SpillDirectory(os.path.join(path, "outbox"), owner=resource.owner)
-        self._outbox_keys = itertools.count()
+        self._disk = DiskTier(SpillDirectory(path, owner=resource.owner))
         # Held by a spill pass and by _free, so a pass never moves a freed buffer.
         self._spill_lock = threading.Lock()
         self._freed = False
@@ -242,7 +241,7 @@ class DeviceRun(Run):
             If writing to disk failed (e.g. the disk is full); the run is
             failed first, which frees its buffers and spill files.
         """
-        if not (buffers.over(self.resource, MemoryType.DEVICE) or buffers.over(self.resource, MemoryType.HOST)):
+        if not (over(self.resource, MemoryType.DEVICE) or over(self.resource, MemoryType.HOST)):
             return
         try:
             with self._spill_lock:
@@ -255,13 +254,18 @@ class DeviceRun(Run):
     def _spill_locked(self) -> None:
         with self._lock:
             # Oldest first: the outbox in insert order, then received buffers.
-            entries: list[tuple[DeviceBuffer, list[Piece] | None]] = [
-                (o.buffer, buffers.own_pieces(o, self.comm.rank)) for o in self._outbox if o.buffer is not None
+            entries = [
+                self._held(o.buffer, buffers.own_pieces(o, self.comm.rank))
+                for o in self._outbox if o.buffer is not None
             ]
-            entries += [(i.buffer, i.pieces) for i in self._incoming]
-        buffers.spill_down(
-            self.resource, entries, self.scope, self._spill_in, self._spill_out, self._outbox_keys, self._count
-        )
+            entries += [self._held(i.buffer, i.pieces) for i in self._incoming]
+        spill_down(self.resource, entries, self._count, self.scope)
+
+    def _held(self, buffer: DeviceBuffer, pieces: list[Piece] | None) -> Held:
+        """``buffer`` as the store holds it: written piece by piece, or whole where ``pieces`` is ``None``."""
+        if pieces is None:
+            return Held(buffer, [(0, int(buffer.data.nbytes))] if buffer.data is not None else [], self.resource, self._disk)
+        return Held(buffer, [(off, off + nbytes) for _, off, nbytes, _ in pieces], self.resource, self._disk)
 
     def _load(self, buffer: DeviceBuffer) -> None:
         """Read an outbox buffer that is on disk back into host memory, for its round.
@@ -280,7 +284,7 @@ class DeviceRun(Run):
                 if self._freed:
                     self._raise_if_failed()
                     raise ShuffleError(f"device shuffle op {self.op_id} was closed during its exchange")
-                nbytes = buffer.load(self.resource, self._spill_out)
+                nbytes = buffer.load(self.resource, self._disk)
         except SpillError as e:
             self.fail(e)
             raise
@@ -544,48 +548,39 @@ class DeviceRun(Run):
     ) -> list[tuple[tuple[int, int], PackedData]]:
         """The pieces ``(input partition, source rank), PackedData`` of ``hits`` (received, piece index).
 
-        Pieces on disk are all in the partition's one spill file: it is read
-        (and deleted) once, at the first of them, and their ``DISK``
+        Pieces on disk are read back by range from the rank's one spill file
+        (one read of them all, into one host buffer), and their ``DISK``
         reservations are released.
         """
-        file: Any = None
-        found = []
-        unspilled = 0
+        found: list[tuple[tuple[int, int], PackedData]] = []
+        on_disk: list[tuple[int, int, int, Any]] = []  # (index in found, offset, bytes, reservation)
         for inc, i in hits:
             _, off, nbytes, nrows = inc.pieces[i]
             disk = inc.buffer.disk
+            view = None
             if disk is None:
                 view = inc.buffer.data[off : off + nbytes]
             else:
-                if file is None:
-                    file = self._read_partition(partition_id)
-                _, foff, fbytes, res = disk[i]
-                if len(file) < foff + fbytes:
-                    self._raise_if_failed()
-                    raise SpillError(
-                        f"spill file of output partition {partition_id} in {self._spill_in.path} "
-                        f"is missing or short ({len(file)} bytes, the piece ends at {foff + fbytes})"
-                    )
-                view = file[foff : foff + fbytes]
+                foff, fbytes, res = disk[i]
+                on_disk.append((len(found), foff, fbytes, res))
+            found.append(((inc.input_index, inc.src), PackedData(inc.meta, view, nrows)))
+        if on_disk:
+            seconds = self._disk.seconds_read
+            try:
+                views = self._disk.get([(foff, fbytes) for _, foff, fbytes, _ in on_disk])
+            except SpillError as e:
+                self.fail(e)
+                raise
+            unspilled = 0
+            for (k, _, fbytes, res), view in zip(on_disk, views, strict=True):
+                key, piece = found[k]
+                found[k] = (key, PackedData(piece.metadata, np.frombuffer(view, dtype=np.uint8), piece.nrows))
                 res.release()
                 unspilled += fbytes
-            found.append(((inc.input_index, inc.src), PackedData(inc.meta, view, nrows)))
-        if unspilled:
             with self._lock:
                 self.statistics["bytes_unspilled_disk"] += unspilled
+                self.statistics["seconds_unspill_disk"] += self._disk.seconds_read - seconds
         return found
-
-    def _read_partition(self, partition_id: int) -> Any:
-        t0 = time.perf_counter()
-        try:
-            view = self._spill_in.read(partition_id)
-        except SpillError as e:
-            self.fail(e)
-            raise
-        file = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, dtype=np.uint8)
-        with self._lock:
-            self.statistics["seconds_unspill_disk"] += time.perf_counter() - t0
-        return file
 
     # -- failure and cleanup -------------------------------------------------
     def _wake(self) -> None:
@@ -603,8 +598,7 @@ class DeviceRun(Run):
             b.release()
         if self.state is not None:  # a turn of a run gone here must not hold up the next
             self.state.drop_turn(self.op_id)
-        self._spill_out.remove()
-        self._spill_in.remove()
+        self._disk.remove()
 
     def _after_close(self) -> None:
         with self._lock:

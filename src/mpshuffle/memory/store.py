@@ -1,0 +1,231 @@
+"""The one spillable store: tiers device -> host -> disk and the one policy that moves data between them.
+
+Every buffer a run holds lives in one of three tiers, each counted in the
+worker's :class:`~mpshuffle.memory.resource.BufferResource` under its
+:class:`~mpshuffle.memory.resource.MemoryType`: ``DEVICE`` (GPU memory),
+``HOST`` (process memory) and ``DISK`` (the rank's one spill file). The host
+runs (:class:`~mpshuffle.memory.postbox.Postbox`) and the device runs
+(:mod:`mpshuffle.shuffler.device.buffers`) hold their buffers through this
+module's building blocks and follow its one policy:
+
+* **Arrival** (:func:`admits`): a buffer stays in the tier it was made in
+  when that tier's budget has room for it; otherwise it goes one tier down
+  at once. A host chunk that would pass the host budget is written to disk
+  on arrival; a device buffer is already allocated when it is counted, so
+  it is admitted and the next rule applies.
+* **Over budget** (:func:`spill_down`): while a tier's use is past its
+  budget, its **oldest** buffers move one tier down (device -> host, then
+  host -> disk), oldest first, until the tier is within budget. The oldest
+  is read last (outputs are extracted after every input is in), so moving
+  it costs the least waiting.
+* **Coming back**: nothing moves up on its own. A buffer comes back when it
+  is read (an extract, an exchange round), into host memory, as the byte
+  ranges it needs (:meth:`DiskTier.get`), never a whole file.
+
+The tiers are building blocks tested one by one: :func:`to_host` (the
+device tier's move down, a copy into host memory) and :class:`DiskTier`
+(the disk tier: every buffer of the run appended to the rank's one spill
+file, :meth:`SpillDirectory.append`, and read back by range,
+:meth:`SpillDirectory.read_ranges`: one open file per run and rank whatever
+the number of partitions). Anything with a ``tier`` and a ``move_down``
+(:class:`Spillable`) can be held; :func:`spill_down` needs no GPU, so the
+policy is tested with NumPy stand-ins for device buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
+
+from mpshuffle.memory.resource import BufferResource, MemoryType
+from mpshuffle.memory.spill import SpillDirectory
+
+__all__ = ["TIERS", "DiskTier", "Spillable", "admits", "over", "spill_down", "to_host"]
+
+#: The tiers, top (fastest) first; data moves down this order and comes back only when read.
+TIERS = (MemoryType.DEVICE, MemoryType.HOST, MemoryType.DISK)
+
+
+def over(resource: BufferResource, memory_type: MemoryType) -> bool:
+    """Whether ``resource``'s use of ``memory_type`` is past its budget (never so without a budget)."""
+    available = resource.available(memory_type)
+    return available is not None and available < 0
+
+
+def admits(resource: BufferResource, memory_type: MemoryType, nbytes: int) -> bool:
+    """Whether an arriving buffer of ``nbytes`` bytes stays in tier ``memory_type`` (the arrival rule).
+
+    True without a budget, for an empty buffer, or when ``nbytes`` fits in
+    what is left of the budget; otherwise the buffer goes one tier down at once.
+    """
+    available = resource.available(memory_type)
+    return available is None or nbytes <= available or not nbytes
+
+
+def to_host(data: Any) -> Any:
+    """The device tier's move down: a host (NumPy) copy of ``data``.
+
+    ``data`` is a CuPy array (copied with ``.get()``, on the current
+    stream, synchronously) or a NumPy stand-in (copied).
+    """
+    return data.get() if hasattr(data, "get") else data.copy()
+
+
+class Spillable(Protocol):
+    """A buffer the store can move down: where it is now, and one step down."""
+
+    @property
+    def tier(self) -> MemoryType:
+        """The tier the buffer is in now."""
+        ...
+
+    def move_down(self) -> int:
+        """Move one tier down; return the bytes moved (0 where it cannot move).
+
+        Raises
+        ------
+        SpillError
+            If writing to disk failed.
+        """
+        ...
+
+
+def spill_down(
+    resource: BufferResource,
+    entries: Sequence[Spillable],
+    count: Callable[[str, float], None],
+    scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> None:
+    """The over-budget rule: move the oldest buffers down a tier while a tier is past its budget.
+
+    Tiers are handled top first: ``DEVICE`` buffers are moved to host while
+    the ``DEVICE`` use is past its budget, then ``HOST`` buffers to disk
+    while the ``HOST`` use is (the worker's, shared with its other runs).
+
+    Parameters
+    ----------
+    resource
+        Where the tiers' budgets and uses are counted.
+    entries
+        The buffers, oldest first.
+    count
+        ``count(statistic, amount)`` adds to the run's statistics:
+        ``bytes_spilled_host`` and ``seconds_spill_host`` (device -> host),
+        ``bytes_spilled_disk`` and ``seconds_spill_disk`` (host -> disk);
+        also for what was moved before an error.
+    scope
+        Makes the buffers' GPU current while device buffers move.
+
+    Raises
+    ------
+    SpillError
+        If writing to disk failed (e.g. the disk is full).
+    """
+    for upper, key in ((MemoryType.DEVICE, "host"), (MemoryType.HOST, "disk")):
+        if not over(resource, upper):
+            continue
+        t0 = time.perf_counter()
+        moved = 0
+        try:
+            with scope() if upper is MemoryType.DEVICE else nullcontext():
+                for b in entries:
+                    if not over(resource, upper):
+                        break
+                    if b.tier is upper:
+                        moved += b.move_down()
+        finally:
+            count(f"bytes_spilled_{key}", moved)
+            count(f"seconds_spill_{key}", time.perf_counter() - t0)
+
+
+class DiskTier:
+    """The disk tier of one run on one rank: buffers appended to one spill file, read back by range.
+
+    Wraps the run's :class:`SpillDirectory` (its one-file-per-rank layout)
+    and counts what passes through it; the ``DISK`` reservations are its
+    callers' (a host chunk takes one for all its pieces, a device buffer
+    one per piece).
+
+    Parameters
+    ----------
+    directory
+        The run's spill directory (created on the first :meth:`put`).
+
+    Attributes
+    ----------
+    bytes_written, bytes_read
+        Bytes of buffers written and read back so far (padding not counted).
+    seconds_write, seconds_read
+        Wall time spent writing and reading, in seconds.
+    """
+
+    def __init__(self, directory: SpillDirectory) -> None:
+        self.directory = directory
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self.seconds_write = 0.0
+        self.seconds_read = 0.0
+
+    @property
+    def path(self) -> str:
+        """The spill directory's path."""
+        return self.directory.path
+
+    def put(self, buffers: Sequence[Any]) -> list[tuple[int, int]]:
+        """Append ``buffers`` (buffer-protocol objects) to the rank's spill file in one write.
+
+        Returns
+        -------
+        list of (int, int)
+            ``(offset, nbytes)`` of each buffer in the file, for :meth:`get`.
+
+        Raises
+        ------
+        SpillError
+            If writing failed (a full disk is named as such) or the run's
+            directory was removed.
+        """
+        t0 = time.perf_counter()
+        offsets = self.directory.append(buffers)
+        sizes = [_size(b) for b in buffers]
+        self.seconds_write += time.perf_counter() - t0
+        self.bytes_written += sum(sizes)
+        return list(zip(offsets, sizes, strict=True))
+
+    def get(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
+        """Read the ``(offset, nbytes)`` ranges back, into one aligned host buffer.
+
+        Returns
+        -------
+        list of memoryview
+            One view per range, of that range's bytes (zero-copy slices of
+            one buffer, each starting at an :data:`~mpshuffle.memory.spill.ALIGNMENT`
+            boundary).
+
+        Raises
+        ------
+        SpillError
+            If the file cannot be read or ends early.
+        """
+        if not ranges:
+            return []
+        t0 = time.perf_counter()
+        buf, positions = self.directory.read_ranges(ranges)
+        views = [buf[at : at + n] for (_, n), at in zip(ranges, positions, strict=True)]
+        self.seconds_read += time.perf_counter() - t0
+        self.bytes_read += sum(n for _, n in ranges)
+        return views
+
+    def remove(self) -> None:
+        """Delete the spill file and its directory; later writes raise :class:`SpillError`. Idempotent."""
+        self.directory.remove()
+
+
+def _size(data: Any) -> int:
+    for name in ("nbytes", "size"):  # NumPy / CuPy / memoryview, pyarrow.Buffer
+        size = getattr(data, name, None)
+        if isinstance(size, int):
+            return size
+    return memoryview(data).nbytes

@@ -1,0 +1,124 @@
+"""The one store's building blocks, one by one (no GPU: a fake device tier stands in)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mpshuffle.errors import SpillError
+from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
+from mpshuffle.memory.store import TIERS, DiskTier, admits, over, spill_down, to_host
+
+
+class FakeBuffer:
+    """A buffer of ``nbytes`` that moves device -> host -> disk through a resource's counts."""
+
+    def __init__(self, name: str, resource: BufferResource, nbytes: int, disk: DiskTier) -> None:
+        self.name, self.resource, self.nbytes, self.disk = name, resource, nbytes, disk
+        self.tier = MemoryType.DEVICE
+        self.reservation = resource.reserve(MemoryType.DEVICE, nbytes)
+        self.data = np.full(nbytes, ord(name[-1]), dtype=np.uint8)
+        self.ranges: list[tuple[int, int]] = []
+
+    def move_down(self) -> int:
+        below = TIERS[TIERS.index(self.tier) + 1]
+        if below is MemoryType.DISK:
+            self.ranges = self.disk.put([self.data])
+            self.data = None
+        self.reservation.release()
+        self.reservation = self.resource.reserve(below, self.nbytes)
+        self.tier = below
+        return self.nbytes
+
+
+def _counter() -> tuple[dict[str, float], Any]:
+    stats: dict[str, float] = {}
+
+    def count(key: str, amount: float) -> None:
+        stats[key] = stats.get(key, 0) + amount
+
+    return stats, count
+
+
+def test_admits_and_over_follow_the_budget() -> None:
+    r = BufferResource({MemoryType.HOST: 100})
+    assert admits(r, MemoryType.HOST, 100) and not admits(r, MemoryType.HOST, 101)
+    assert admits(r, MemoryType.HOST, 0) and admits(r, MemoryType.DEVICE, 10**12)  # no device budget
+    res = r.reserve(MemoryType.HOST, 100)
+    assert not over(r, MemoryType.HOST) and not admits(r, MemoryType.HOST, 1)
+    extra = r.reserve(MemoryType.HOST, 1)
+    assert over(r, MemoryType.HOST) and not over(r, MemoryType.DEVICE)
+    res.release()
+    extra.release()
+    assert r.used(MemoryType.HOST) == 0
+
+
+def test_spill_down_moves_the_oldest_first_one_tier_at_a_time(tmp_path: Any) -> None:
+    r = BufferResource({MemoryType.DEVICE: 250, MemoryType.HOST: 150}, spill_dir=str(tmp_path))
+    disk = DiskTier(SpillDirectory(str(tmp_path / "run"), owner="rank 0"))
+    bufs = [FakeBuffer(f"b{k}", r, 100, disk) for k in range(4)]  # oldest first; 400 on the device
+    stats, count = _counter()
+    spill_down(r, bufs, count)
+    # Device past 250: b0 and b1 went to host (200); host past 150: b0 went on to disk.
+    assert [b.tier for b in bufs] == [MemoryType.DISK, MemoryType.HOST, MemoryType.DEVICE, MemoryType.DEVICE]
+    assert [r.used(mt) for mt in TIERS] == [200, 100, 100]
+    assert stats["bytes_spilled_host"] == 200 and stats["bytes_spilled_disk"] == 100
+    assert stats["seconds_spill_host"] >= 0 and stats["seconds_spill_disk"] >= 0
+    assert os.listdir(tmp_path / "run") == ["pieces.bin"]
+    # Within budget: a second pass moves nothing.
+    spill_down(r, bufs, count)
+    assert stats["bytes_spilled_host"] == 200 and stats["bytes_spilled_disk"] == 100
+    # Nothing comes back on its own: the disk buffer is read by range.
+    (view,) = disk.get(bufs[0].ranges)
+    assert bytes(view) == b"0" * 100 and disk.bytes_read == 100 and disk.bytes_written == 100
+    disk.remove()
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_spill_down_counts_what_moved_before_an_error(tmp_path: Any) -> None:
+    r = BufferResource({MemoryType.HOST: 0}, spill_dir=str(tmp_path))
+    disk = DiskTier(SpillDirectory(str(tmp_path / "run")))
+    bufs = [FakeBuffer(f"b{k}", r, 10, disk) for k in range(3)]
+    for b in bufs:
+        b.move_down()  # all in host, past its budget of 0
+    stats, count = _counter()
+    real_put = disk.put
+    calls = {"n": 0}
+
+    def fails_second(buffers: Any) -> list[tuple[int, int]]:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise SpillError("the disk is full")
+        return real_put(buffers)
+
+    disk.put = fails_second  # type: ignore[method-assign]
+    with pytest.raises(SpillError, match="disk is full"):
+        spill_down(r, bufs, count)
+    assert stats["bytes_spilled_disk"] == 10 and bufs[0].tier is MemoryType.DISK and bufs[1].tier is MemoryType.HOST
+    disk.remove()
+
+
+def test_disk_tier_round_trips_aligned_ranges_in_one_file(tmp_path: Any) -> None:
+    disk = DiskTier(SpillDirectory(str(tmp_path / "d"), owner="rank 3"))
+    assert disk.get([]) == []
+    data = [np.arange(n, dtype=np.uint8) for n in (1, 63, 64, 1000)]
+    ranges = disk.put(data) + disk.put([b"xyz"])
+    assert [n for _, n in ranges] == [1, 63, 64, 1000, 3]
+    assert all(off % 64 == 0 for off, _ in ranges)
+    assert os.listdir(tmp_path / "d") == ["pieces.bin"]
+    views = disk.get(ranges[::-1])
+    assert [bytes(v) for v in views] == [b"xyz"] + [d.tobytes() for d in data[::-1]]
+    assert disk.bytes_written == disk.bytes_read == 1131
+    disk.remove()
+    disk.remove()  # idempotent
+    with pytest.raises(SpillError, match="already removed"):
+        disk.put([b"a"])
+
+
+def test_to_host_copies() -> None:
+    a = np.arange(5, dtype=np.uint8)
+    b = to_host(a)
+    assert b is not a and b.tolist() == [0, 1, 2, 3, 4] and b.dtype == np.uint8
