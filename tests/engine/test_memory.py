@@ -140,20 +140,20 @@ def test_disk_full_while_spilling_names_directory_and_owner_and_removes_files(
 
 def test_spill_directory_roundtrip_and_unwritable_dir(tmp_path: Any) -> None:
     d = SpillDirectory(str(tmp_path / "s"), owner="me")
-    assert d.write(5, b"abc") == (0, 3)
-    assert d.write(5, b"defg") == (64, 4)
-    buf = d.read(5)
-    assert bytes(buf[0:3]) == b"abc" and bytes(buf[64:68]) == b"defg"
-    assert d.nbytes == 0 and os.listdir(tmp_path / "s") == []
+    assert d.append([b"abc"]) == [0]
+    assert d.append([b"defg"]) == [64]
+    buf, at = d.read_ranges([(64, 4), (0, 3)])
+    assert at == [0, 64] and bytes(buf[0:4]) == b"defg" and bytes(buf[64:67]) == b"abc"
+    assert d.nbytes == 68 and os.listdir(tmp_path / "s") == ["pieces.bin"]
     d.remove()
-    assert not (tmp_path / "s").exists()
+    assert not (tmp_path / "s").exists() and d.nbytes == 0
     with pytest.raises(SpillError, match="already removed"):
-        d.write(0, b"x")
+        d.append([b"x"])
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     bad = SpillDirectory(str(blocker / "sub"), owner="me")
     with pytest.raises(SpillError, match="could not write to spill directory .*file/sub on me"):
-        bad.write(0, b"x")
+        bad.append([b"x"])
 
 
 # -- back-pressure ---------------------------------------------------------

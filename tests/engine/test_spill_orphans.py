@@ -24,8 +24,8 @@ _CHILD = textwrap.dedent(
     spill_dir, names = sys.argv[1], sys.argv[2:]
     for name in names:
         d = SpillDirectory(os.path.join(spill_dir, name), owner="child")
-        d.write(0, b"x" * 1000)
-        d.write(3, b"y" * 500)
+        d.append([b"x" * 1000])
+        d.append([b"y" * 500])
     print("spilled", flush=True)
     sys.stdin.readline()  # held until the parent says so (or kills us)
     """
@@ -59,7 +59,7 @@ def test_a_killed_owners_directories_go_a_live_owners_stay(tmp_path: Any) -> Non
         removed = remove_orphans(str(tmp_path))
         assert sorted(os.path.basename(p) for p in removed) == ["mpshuffle-g1-op1-r0", "mpshuffle-g1-op2-r0"]
         assert _entries(tmp_path) == ["mpshuffle-g1-op1-r1", "mpshuffle-g1-op1-r1.lock", "user-file"]
-        assert _entries(tmp_path / "mpshuffle-g1-op1-r1") == ["part-0.bin", "part-3.bin"]
+        assert _entries(tmp_path / "mpshuffle-g1-op1-r1") == ["pieces.bin"]
         assert remove_orphans(str(tmp_path)) == []  # again: nothing more to do
     finally:
         assert alive.stdin is not None
@@ -73,12 +73,12 @@ def test_a_killed_owners_directories_go_a_live_owners_stay(tmp_path: Any) -> Non
 
 def test_this_processs_live_directory_and_its_nested_outbox_are_kept(tmp_path: Any) -> None:
     run = SpillDirectory(str(tmp_path / "mpshuffle-g2-op1-r0"))
-    outbox_only = SpillDirectory(str(tmp_path / "mpshuffle-g2-op2-r0" / "outbox"))  # a device run's
-    run.write(1, b"a" * 100)
-    outbox_only.write(0, b"b" * 100)
+    outbox_only = SpillDirectory(str(tmp_path / "mpshuffle-g2-op2-r0" / "outbox"))  # an older device run's
+    run.append([b"a" * 100])
+    outbox_only.append([b"b" * 100])
     assert remove_orphans(str(tmp_path)) == []
     assert _entries(tmp_path / "mpshuffle-g2-op2-r0") == ["outbox", "outbox.lock"]
-    assert bytes(run.read(1)) == b"a" * 100
+    assert bytes(run.read_ranges([(0, 100)])[0][:100]) == b"a" * 100
     run.remove()
     outbox_only.remove()
     assert _entries(tmp_path) == ["mpshuffle-g2-op2-r0"]  # the outbox's parent: the run removes it
@@ -102,7 +102,7 @@ def test_a_stray_unheld_lock_file_goes_and_a_new_owner_is_not_fooled(tmp_path: A
     assert remove_orphans(str(tmp_path)) == []
     assert _entries(tmp_path) == []
     d = SpillDirectory(str(tmp_path / "mpshuffle-g4-op1-r0"))
-    d.write(0, b"q")
+    d.append([b"q"])
     assert remove_orphans(str(tmp_path)) == []
     assert _entries(tmp_path) == ["mpshuffle-g4-op1-r0", "mpshuffle-g4-op1-r0.lock"]
     d.remove()
@@ -116,7 +116,7 @@ def test_a_missing_spill_dir_is_nothing_to_clean(tmp_path: Any) -> None:
 @pytest.mark.parametrize("removed_first", [True, False])
 def test_remove_after_an_orphan_sweep_of_someone_else_is_harmless(tmp_path: Any, removed_first: bool) -> None:
     d = SpillDirectory(str(tmp_path / "mpshuffle-g5-op1-r0"))
-    d.write(0, b"w")
+    d.append([b"w"])
     if removed_first:
         d.remove()
     assert remove_orphans(str(tmp_path)) == []

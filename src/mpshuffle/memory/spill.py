@@ -1,22 +1,17 @@
 """Spill files: one run's received buffers on disk, written and read back as they are.
 
 A :class:`SpillDirectory` is one directory per run and rank (created on the
-first spill). It offers two layouts, each writing buffers unchanged at
-offsets that are multiples of :data:`ALIGNMENT` bytes (so what is read back
-is aligned and used in place), no row looked at on the way out or back, the
-small per-piece metadata staying in memory with its owner's index:
-
-* **one file per rank** (:meth:`SpillDirectory.append`,
-  :meth:`SpillDirectory.read_ranges`): every buffer of the run goes to one
-  append-only file, kept open, a chunk's buffers in one ``writev``; reading
-  a partition back reads its pieces' byte ranges (one ``preadv`` each)
-  into one aligned buffer. One open file whatever the number of output
-  partitions; the file's space is given back when the run ends. The host
-  path's postbox uses this.
-* **one file per partition** (:meth:`SpillDirectory.write`,
-  :meth:`SpillDirectory.read`): reading a partition back is one
-  ``readinto`` of its whole file, deleted at once. The device path uses
-  this for its few, large per-partition buffers.
+first spill) holding **one file per rank** (:meth:`SpillDirectory.append`,
+:meth:`SpillDirectory.read_ranges`): every buffer of the run goes to one
+append-only file, kept open, a chunk's buffers in one ``writev``, unchanged
+at offsets that are multiples of :data:`ALIGNMENT` bytes (so what is read
+back is aligned and used in place), no row looked at on the way out or
+back, the small per-piece metadata staying in memory with its owner's
+index; reading a partition back reads its pieces' byte ranges (one
+``preadv`` each) into one aligned buffer. One open file whatever the number
+of output partitions; the file's space is given back when the run ends.
+The one store's disk tier (:class:`~mpshuffle.memory.store.DiskTier`) is
+this layout, for the host and the device runs alike.
 
 Ownership. Before a directory is created, its owner takes an exclusive
 ``flock`` on a sibling lock file ``<directory>.lock`` and holds it until the
@@ -61,12 +56,12 @@ def _aligned_empty(nbytes: int) -> memoryview:
 
 
 class SpillDirectory:
-    """The spill files of one run on one rank.
+    """The spill file of one run on one rank.
 
     Parameters
     ----------
     path
-        Directory to write into; created on the first :meth:`write`, removed
+        Directory to write into; created on the first :meth:`append`, removed
         with everything in it by :meth:`remove`.
     owner
         Names the rank and worker in error messages.
@@ -85,7 +80,6 @@ class SpillDirectory:
         self.path = path
         self.owner = owner
         self.nbytes = 0
-        self._sizes: dict[int, int] = {}
         self._lock = threading.Lock()
         self._removed = False
         self._owner_fd: int | None = None
@@ -101,83 +95,6 @@ class SpillDirectory:
             what = f"could not {action} spill directory {self.path}{who} ({e})"
             hint = "check that 'spill_dir' is writable"
         return SpillError(f"{what}; {hint}")
-
-    def write(self, partition_id: int, data: object) -> tuple[int, int]:
-        """Append the buffer ``data`` to partition ``partition_id``'s file.
-
-        Parameters
-        ----------
-        partition_id
-            Output partition the buffer belongs to.
-        data
-            Any buffer-protocol object; written as is.
-
-        Returns
-        -------
-        offset, nbytes : int
-            Where the buffer starts in the file and its size, in bytes.
-
-        Raises
-        ------
-        SpillError
-            If the directory was removed, or writing failed (a full disk is
-            named as such, with the directory and the owner).
-        """
-        view = memoryview(data).cast("B")  # type: ignore[arg-type]
-        nbytes = view.nbytes
-        with self._lock:
-            if self._removed:
-                raise SpillError(f"spill directory {self.path} on {self.owner} was already removed")
-            offset = self._sizes.get(partition_id, 0)
-            pad = (-offset) % ALIGNMENT
-            try:
-                if self._owner_fd is None:
-                    self._owner_fd = _own(self.path)
-                os.makedirs(self.path, exist_ok=True)
-                with open(self._file(partition_id), "ab") as f:
-                    if pad:
-                        f.write(b"\0" * pad)
-                    _write_all(f, view)
-            except OSError as e:
-                raise self._error("write to", e) from e
-            offset += pad
-            self._sizes[partition_id] = offset + nbytes
-            self.nbytes += pad + nbytes
-        return offset, nbytes
-
-    def read(self, partition_id: int) -> memoryview:
-        """Read partition ``partition_id``'s whole file into one aligned buffer and delete it.
-
-        Returns
-        -------
-        memoryview
-            The file's bytes; slice it with the offsets :meth:`write` returned.
-            Empty if nothing was spilled for the partition.
-
-        Raises
-        ------
-        SpillError
-            If the file cannot be read.
-        """
-        with self._lock:
-            size = self._sizes.pop(partition_id, 0)
-            if not size:
-                return memoryview(b"")
-            path = self._file(partition_id)
-            buf = _aligned_empty(size)
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    got = 0
-                    while got < size:
-                        n = f.readinto(buf[got:])
-                        if not n:
-                            raise OSError(errno.EIO, f"spill file {path} is truncated at {got} of {size} bytes")
-                        got += n
-                os.remove(path)
-            except OSError as e:
-                raise self._error("read from", e) from e
-            self.nbytes -= size
-        return buf
 
     def append(self, buffers: Sequence[object]) -> list[int]:
         """Append ``buffers`` to the rank's one file, each at an :data:`ALIGNMENT`-aligned offset.
@@ -197,7 +114,8 @@ class SpillDirectory:
         Raises
         ------
         SpillError
-            As :meth:`write`.
+            If the directory was removed, or writing failed (a full disk is
+            named as such, with the directory and the owner).
         """
         views = [memoryview(b).cast("B") for b in buffers]  # type: ignore[arg-type]
         with self._lock:
@@ -281,7 +199,6 @@ class SpillDirectory:
         """Delete the directory and every file in it; later writes fail. Idempotent."""
         with self._lock:
             self._removed = True
-            self._sizes.clear()
             self.nbytes = 0
             if self._fd is not None:
                 os.close(self._fd)
@@ -290,10 +207,6 @@ class SpillDirectory:
             if self._owner_fd is not None:
                 _disown(self.path, self._owner_fd)
                 self._owner_fd = None
-
-    def _file(self, partition_id: int) -> str:
-        return os.path.join(self.path, f"part-{partition_id}.bin")
-
 
 # Buffers per writev: below Linux's IOV_MAX (1024).
 _IOV = 512
@@ -320,16 +233,6 @@ def _pwritev_all(fd: int, parts: Sequence[memoryview | bytes], at: int, want: in
                 rest.append(memoryview(b)[skip:] if skip else b)
                 skip = 0
             parts = rest
-
-
-def _write_all(f: object, view: memoryview) -> None:
-    # A raw write may be partial; a buffered file's write is not, but be sure.
-    written = 0
-    while written < view.nbytes:
-        n = f.write(view[written:])  # type: ignore[attr-defined]
-        if n is None or n <= 0:
-            raise OSError(errno.EIO, "short write")
-        written += n
 
 
 def _own(path: str) -> int:
@@ -391,7 +294,7 @@ def remove_orphans(spill_dir: str, prefix: str = "mpshuffle-") -> list[str]:
 
     A directory ``<spill_dir>/<prefix>...`` is an orphan when no process
     holds its lock file ``<directory>.lock`` nor the lock of any directory
-    nested in it (a device run's ``outbox``): its worker was killed or
+    nested in it (an ``outbox`` of a device run of an older version): its worker was killed or
     crashed mid-shuffle. A directory without any lock file (left by an
     older version, or a nested directory's parent a moment before its lock)
     counts as an orphan once it is :data:`LOCKLESS_GRACE` seconds old.
