@@ -4,8 +4,9 @@
 other layer moves around; the frame adapters of :mod:`mpshuffle.table` write
 and read it, this package only holds, counts and spills it (it never imports
 :mod:`mpshuffle.table`). Every buffer a shuffler holds is accounted in a
-:class:`BufferResource`; received chunks over the host budget are spilled to a
-:class:`SpillDirectory`.
+:class:`BufferResource` and lives in one tier of the one store
+(:mod:`mpshuffle.memory.store`: device -> host -> disk, one policy for the host
+and the device runs); its disk tier is the run's :class:`SpillDirectory`.
 """
 
 from mpshuffle.memory.packed import PackedData
