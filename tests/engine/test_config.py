@@ -239,7 +239,8 @@ def test_options_are_resolved_only_where_graphs_are_built() -> None:
     assert callers["resolve_options"] == {
         "config.py",  # set_options
         "dask/graph.py",  # shuffle_graph, when no options are passed: on the client
-        "dask/dataframe.py",  # graph_options: shuffle, merge, sort_values, set_index, rechunk
-        "dask/method.py",  # Shuffle._lower, on the client (not _layer, on the scheduler)
+        # graph_options: shuffle, merge, sort_values, set_index, rechunk, and
+        # Shuffle._lower of the config line (on the client; not _layer, on the scheduler)
+        "dask/dataframe.py",
     }
     assert callers["with_worker_config"] == {"dask/worker.py"}

@@ -481,7 +481,7 @@ def install() -> None:
         if _resolved(self.method) != METHOD:
             return original_lower(self)
         check_dask_version()
-        from mpshuffle.config import resolve_options
+        from mpshuffle.dask.dataframe import graph_options
 
         frame, partitioning_index, partitioning = _before_partitioning(self)
         return MPShuffle(
@@ -492,7 +492,10 @@ def install() -> None:
             self.options,
             self.original_partitioning_index,
             None,
-            resolve_options().as_dict(),  # the client's, decided here (see MPShuffle)
+            # The client's, decided here (see MPShuffle); with a running
+            # synchronous client the generation bootstraps now, while the
+            # graph is built, as for mpshuffle's own functions.
+            graph_options().as_dict(),
             partitioning,
         )
 
