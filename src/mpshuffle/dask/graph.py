@@ -366,7 +366,8 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec, adapter: FrameAdapte
         whole = frame
         if spec.select is not None:
             names = adapter.column_names(frame)
-            missing = [c for c in spec.select if c not in set(names)]
+            present = set(names)
+            missing = [c for c in spec.select if c not in present]
             if missing:
                 raise ShuffleError(
                     f"input partition {input_index} lacks the column(s) {missing!r} "

@@ -192,10 +192,12 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     output_columns
         ``None`` (every column), or the output's columns, a subset of them in
         their order: the Projection that Dask puts after every Shuffle (it
-        drops ``_partitions``) absorbed by :meth:`_simplify_up`. The inserts
-        compute the rows' partitions first, then send only these columns, so
-        a dropped ``_partitions`` column neither travels nor costs a
-        ``getitem`` task per output partition.
+        drops ``_partitions``) absorbed by :meth:`_simplify_up` where it
+        would be a ``getitem`` task per output partition (one feeding a
+        blockwise expression stays, fused into that one's tasks). The
+        inserts compute the rows' partitions first, then send only these
+        columns; ``_partitions``, where it is Dask's ids, never travels (each
+        extract appends it as the constant it is).
 
     Notes
     -----
