@@ -10,8 +10,10 @@ recomputed, and that the scheduler runs no task beyond the shuffle's own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import dask
@@ -84,11 +86,33 @@ def _persisted(client: Client, pdf: pd.DataFrame, npartitions: int) -> dd.DataFr
     return a
 
 
-def _run_counted(client: Client, out: dd.DataFrame) -> tuple[list[pd.DataFrame], Counter[str]]:
-    """The output partitions, and how many tasks of each key prefix the scheduler ran."""
+@contextlib.contextmanager
+def _tasks_run(client: Client) -> Iterator[list[dict[str, Any]]]:
+    """The task-stream records of the tasks that ran within the block (filled on exit).
+
+    Records the task stream already held before the block do not count: its
+    window (a bisection on stop times, which the scheduler shifts by each
+    worker's estimated clock offset) can also return the tasks of a persist
+    that ended just before, as seen on the oldest distributed. A task run
+    again (a lost key recomputed) has new start and stop times, so it counts.
+    """
+    before = {_record_id(t) for t in client.get_task_stream(start=0)}
+    ran: list[dict[str, Any]] = []
     with get_task_stream(client) as ts:
+        yield ran
+    ran.extend(t for t in ts.data if _record_id(t) not in before)
+
+
+def _record_id(record: dict[str, Any]) -> tuple[Any, ...]:
+    """A task-stream record's key and its start/stop times: one execution of one task."""
+    return (record["key"], *((s["action"], s["start"], s["stop"]) for s in record["startstops"]))
+
+
+def _run_counted(client: Client, out: dd.DataFrame) -> tuple[list[pd.DataFrame], Counter[str]]:
+    """The output partitions, and how many tasks of each key prefix ran (see :func:`_tasks_run`)."""
+    with _tasks_run(client) as ran:
         parts = client.compute(out.to_delayed(), sync=True)
-    return parts, Counter(_prefix(t["key"]) for t in ts.data)
+    return parts, Counter(_prefix(t["key"]) for t in ran)
 
 
 def _shuffle_tasks(counts: Counter[str]) -> dict[str, int]:
@@ -247,9 +271,9 @@ def test_same_shuffle_twice_in_one_compute(client: Client) -> None:
     a = _persisted(client, pdf, 4)
     s1, s2 = shuffle(a, "k", npartitions=3), shuffle(a, "k", npartitions=3)
     assert s1._name == s2._name  # the same graph: one shuffle, run once
-    with get_task_stream(client) as ts:
+    with _tasks_run(client) as ran:
         r1, r2 = dask.compute(s1, s2)
-    assert Counter(_prefix(t["key"]) for t in ts.data)["mpshuffle-barrier"] == 1
+    assert Counter(_prefix(t["key"]) for t in ran)["mpshuffle-barrier"] == 1
     pd.testing.assert_frame_equal(r1, r2)
     pd.testing.assert_frame_equal(r1.sort_index(), pdf)
     both = dd.concat([s1, s2])
@@ -268,9 +292,9 @@ def test_two_shuffles_of_one_input_in_one_compute(client: Client) -> None:
     by_k = shuffle(a, "k", npartitions=3)
     by_v = shuffle(a, "v", npartitions=5, ignore_index=True)
     d1, d2 = by_k.to_delayed(), by_v.to_delayed()
-    with get_task_stream(client) as ts:
+    with _tasks_run(client) as ran:
         r1, r2 = dask.compute(d1, d2)
-    assert Counter(_prefix(t["key"]) for t in ts.data)["mpshuffle-barrier"] == 2
+    assert Counter(_prefix(t["key"]) for t in ran)["mpshuffle-barrier"] == 2
     _check(pdf, list(r1), ["k"], 3)
     _check(pdf.reset_index(drop=True), list(r2), ["v"], 5)
     _no_state_left(client)
@@ -305,12 +329,12 @@ def test_output_persisted_then_used_twice(client: Client) -> None:
     out = shuffle(a, "k", npartitions=3)
     p = out.persist()
     wait(p)
-    with get_task_stream(client) as ts:
+    with _tasks_run(client) as ran:
         total = p.v.sum().compute()
         n = len(p)
         parts = client.compute(p.to_delayed(), sync=True)
     assert total == pdf.v.sum() and n == len(pdf)
-    _no_shuffle_task_ran(ts.data, out)
+    _no_shuffle_task_ran(ran, out)
     _check(pdf, parts, ["k"], 3)
     # The un-persisted output again: its keys are the persisted extract keys.
     parts2 = client.compute(out.to_delayed(), sync=True)
@@ -331,11 +355,11 @@ def test_client_persist_then_client_compute(client: Client) -> None:
     out = shuffle(dd.from_pandas(pdf, npartitions=4), "k", npartitions=3)
     p = client.persist(out)
     wait(p)
-    with get_task_stream(client) as ts:
+    with _tasks_run(client) as ran:
         s = client.compute(p.v.sum(), sync=True)
         parts = client.compute(p.to_delayed(), sync=True)
     assert s == pdf.v.sum()
-    _no_shuffle_task_ran(ts.data, out)
+    _no_shuffle_task_ran(ran, out)
     _check(pdf, parts, ["k"], 3)
     _no_state_left(client)
 
@@ -465,9 +489,9 @@ def test_shuffle_of_a_shuffle_and_of_a_pickled_output(client: Client) -> None:
     first = shuffle(a, "k", npartitions=3)
     second = shuffle(first, "k", npartitions=3)  # same hash, same partitions
     third = shuffle(first, "v", npartitions=2, ignore_index=True)
-    with get_task_stream(client) as ts:
+    with _tasks_run(client) as ran:
         r1, r2, r3 = dask.compute(first.to_delayed(), second.to_delayed(), third.to_delayed())
-    counts = Counter(_prefix(t["key"]) for t in ts.data)
+    counts = Counter(_prefix(t["key"]) for t in ran)
     assert counts == Counter(
         {"mpshuffle-insert": 4 + 3 + 3, "mpshuffle-barrier": 3, "mpshuffle-extract": 3 + 3 + 2}
     )
