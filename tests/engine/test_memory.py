@@ -14,6 +14,7 @@ from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
 from mpshuffle.memory.packed import packed_nbytes
+from mpshuffle.memory.postbox import Chunk
 from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.table import PackedData
 
@@ -46,11 +47,11 @@ def test_postbox_keeps_within_budget_and_spills_the_rest(tmp_path: Any) -> None:
     p1 = _piece(range(50))  # 400 bytes of data
     p2 = _piece(range(50, 100))
     p3 = _piece(range(100, 200))  # 800 bytes: does not fit any more
-    box.add_chunk([(0, (0, 0, 0), p1), (1, (0, 0, 1), p2)])
+    box.add_chunk(Chunk.of_pieces(0, "a", 0, 0, [(0, p1), (1, p2)]))
     assert box.bytes_spilled == 0
     # The two pieces share one metadata object: counted once.
     assert res.used(MemoryType.HOST) == 801 == box.nbytes
-    box.add_chunk([(0, (1, 0, 2), p3), (1, (1, 0, 3), p1)])
+    box.add_chunk(Chunk.of_pieces(1, "a", 0, 2, [(0, p3), (1, p1)]))
     assert box.bytes_spilled == 800 + 400
     assert res.used(MemoryType.HOST) == 801
     assert res.used(MemoryType.DISK) == 1200 == box.nbytes_spilled
@@ -81,7 +82,7 @@ def test_spilled_chunks_of_many_partitions_share_one_file_read_back_by_range(tmp
     box = Postbox(res, "many")
     nparts, ninputs = 300, 4
     for i in range(ninputs):
-        box.add_chunk([(p, (i, 0, p), _piece([i, p] * (1 + p % 3))) for p in range(nparts)])
+        box.add_chunk(Chunk.of_pieces(i, "a", 0, 0, [(p, _piece([i, p] * (1 + p % 3))) for p in range(nparts)]))
     assert os.listdir(tmp_path / "mpshuffle-many") == ["pieces.bin"]
     for p in reversed(range(nparts)):
         got = box.pop(p)
@@ -96,7 +97,7 @@ def test_pieces_of_a_partition_come_back_in_order_across_memory_and_disk(tmp_pat
     box = Postbox(res, "x")
     pieces = [_piece(range(i * 10, i * 10 + 10 + i)) for i in range(8)]
     for i in reversed(range(8)):
-        box.add(3, (i, 0, 0), pieces[i])
+        box.add(3, (i, "a", 0, 0), pieces[i])
     assert 0 < box.bytes_spilled < sum(p.nbytes for p in pieces)
     got = box.pop(3)
     assert [bytes(memoryview(p.data)) for p in got] == [p.data for p in pieces]
@@ -107,7 +108,7 @@ def test_pieces_of_a_partition_come_back_in_order_across_memory_and_disk(tmp_pat
 def test_unbounded_postbox_never_spills(tmp_path: Any) -> None:
     res = BufferResource({}, spill_dir=str(tmp_path))
     box = Postbox(res, "u")
-    box.add(0, 0, _piece(range(10_000)))
+    box.add(0, (0, "a", 0, 0), _piece(range(10_000)))
     assert box.bytes_spilled == 0 and box.nbytes == 80_001
     box.clear()
     assert os.listdir(tmp_path) == []
@@ -118,7 +119,7 @@ def test_disk_full_while_spilling_names_directory_and_owner_and_removes_files(
 ) -> None:
     res = BufferResource({MemoryType.HOST: 10}, spill_dir=str(tmp_path), owner="rank 1 (worker tcp://h:1)")
     box = Postbox(res, "op7-r1")
-    box.add(0, 0, _piece(range(100)))  # spilled fine
+    box.add(0, (0, "a", 0, 0), _piece(range(100)))  # spilled fine
     assert os.listdir(tmp_path / "mpshuffle-op7-r1") == ["pieces.bin"]
 
     def full(fd: int, parts: Any, at: int, want: int) -> None:
@@ -126,7 +127,7 @@ def test_disk_full_while_spilling_names_directory_and_owner_and_removes_files(
 
     monkeypatch.setattr(spill_module, "_pwritev_all", full)
     with pytest.raises(SpillError) as info:
-        box.add(1, 0, _piece(range(100)))
+        box.add(1, (1, "a", 0, 0), _piece(range(100)))
     msg = str(info.value)
     assert "disk is full" in msg
     assert str(tmp_path / "mpshuffle-op7-r1") in msg
@@ -213,10 +214,62 @@ def test_failed_run_frees_its_spill_files(tmp_path: Any) -> None:
     comm = _RecordingComm()
     res = BufferResource({MemoryType.HOST: 1}, spill_dir=str(tmp_path), spill_prefix="mpshuffle-g")
     s = Shuffler(comm, 9, resource=res, timeout=5)  # type: ignore[arg-type]
-    s.postbox.add(0, (0, 0, 0), _piece(range(100)))
+    s.postbox.add(0, (0, "a", 0, 0), _piece(range(100)))
     assert sorted(os.listdir(tmp_path)) == ["mpshuffle-g-op9-r0", "mpshuffle-g-op9-r0.lock"]  # and its owner's lock
     s.fail(ShuffleError("peer lost"))
     assert os.listdir(tmp_path) == []
     with pytest.raises(ShuffleError, match="peer lost"):
         s.wait(1)
     s.close()
+
+
+def test_chunk_of_many_pieces_in_one_frame_pops_each_partition_in_order(tmp_path: Any) -> None:
+    """One frame holding the pieces of many partitions, in memory and spilled, two attempts."""
+    res = BufferResource({MemoryType.HOST: 500}, spill_dir=str(tmp_path))
+    box = Postbox(res, "frames")
+    nparts = 7
+
+    def chunk(input_index: int, attempt: str, src: int) -> tuple[Chunk, dict[int, list[int]]]:
+        # Partition p gets p % 3 + 1 int64 values; pieces of pids in reversed order.
+        pids = list(reversed(range(nparts)))
+        values = {p: [input_index * 1000 + src * 100 + p * 10 + i for i in range(p % 3 + 1)] for p in pids}
+        data = np.concatenate([np.array(values[p], np.int64) for p in pids])
+        sizes = np.array([8 * len(values[p]) for p in pids], np.int64)
+        c = Chunk(
+            input_index, attempt, src, 50,
+            pids=np.array(pids), nrows=sizes // 8, meta_of=np.zeros(nparts, np.int32),
+            frame_of=np.zeros(nparts, np.int32), offset=np.cumsum(sizes) - sizes, size=sizes,
+            metas=[b"meta"], frames=[data.tobytes()],
+        )
+        return c, values
+
+    expected: dict[int, list[list[int]]] = {p: [] for p in range(nparts)}
+    for input_index in (2, 0, 1):
+        for src in (1, 0):
+            for attempt in ("b", "a"):
+                c, values = chunk(input_index, attempt, src)
+                box.add_chunk(c)
+                if attempt == "a":
+                    for p in range(nparts):
+                        expected[p].append((input_index, src, values[p]))  # type: ignore[arg-type]
+    assert box.bytes_spilled > 0 and box.nbytes > 0  # some chunks in memory, some on disk
+    for p in range(nparts):
+        got = box.pop(p, keep=lambda order: order[1] == "a")
+        want = [v for _, _, v in sorted(expected[p])]  # type: ignore[misc]
+        assert [np.frombuffer(g.data, np.int64).tolist() for g in got] == want
+        assert [g.nrows for g in got] == [len(v) for v in want]
+        assert all(g.metadata == b"meta" for g in got)
+        assert box.pop(p) == []
+    assert res.used(MemoryType.HOST) == 0 and res.used(MemoryType.DISK) == 0
+    assert box.nbytes == 0 and box.nbytes_spilled == 0
+    box.clear()
+
+
+def test_chunk_with_bad_arrays_is_refused() -> None:
+    ok = {"pids": np.array([0, 1]), "nrows": np.array([1, 1]), "meta_of": np.zeros(2, np.int32),
+          "frame_of": np.zeros(2, np.int32), "offset": np.array([0, 8]), "size": np.array([8, 8])}
+    Chunk(0, "a", 0, 0, **ok, metas=[b"m"], frames=[bytes(16)])
+    with pytest.raises(ValueError, match="differ in length"):
+        Chunk(0, "a", 0, 0, **{**ok, "nrows": np.array([1])}, metas=[b"m"], frames=[bytes(16)])
+    with pytest.raises(ValueError, match="outside its frame"):
+        Chunk(0, "a", 0, 0, **ok, metas=[b"m"], frames=[bytes(12)])

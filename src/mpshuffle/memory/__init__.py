@@ -10,8 +10,8 @@ and the device runs); its disk tier is the run's :class:`SpillDirectory`.
 """
 
 from mpshuffle.memory.packed import PackedData
-from mpshuffle.memory.postbox import Postbox
+from mpshuffle.memory.postbox import Chunk, Postbox
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 
-__all__ = ["BufferResource", "MemoryType", "PackedData", "Postbox", "Reservation", "SpillDirectory"]
+__all__ = ["BufferResource", "Chunk", "MemoryType", "PackedData", "Postbox", "Reservation", "SpillDirectory"]

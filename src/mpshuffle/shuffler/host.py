@@ -47,7 +47,7 @@ from mpshuffle.errors import (
     ShuffleTimeoutError,
     SpillError,
 )
-from mpshuffle.memory import BufferResource, MemoryType, Postbox
+from mpshuffle.memory import BufferResource, Chunk, MemoryType, Postbox
 from mpshuffle.memory.packed import packed_nbytes
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import PackedData, partition_owner
@@ -248,13 +248,13 @@ class Shuffler(Run):
         """Handle one message of this run (called on the progress thread)."""
         kind = tag[2]
         if kind == "chunk":
-            entries = _chunk_entries(src, frames)
-            nbytes = sum(_data_size(piece) for _, _, piece in entries)
+            chunk = _received_chunk(src, frames)
+            nbytes = int(chunk.size.sum())
             if self._error is None and not self._closed:
                 try:
                     # Spilling happens here, on the progress thread: while it
                     # writes, no more data is read from the peers (back-pressure).
-                    self.postbox.add_chunk(entries)
+                    self.postbox.add_chunk(chunk)
                 except Exception as e:  # noqa: BLE001 -- any failure here must fail the run, not hang it
                     logger.error("mpshuffle: %s", e)
                     self.fail(e)
@@ -474,21 +474,18 @@ def _chunk_frames(
     return [header, *meta_frames, *data_frames], int(size.sum())
 
 
-def _chunk_entries(src: int, frames: Frames) -> list[tuple[int, tuple[Any, ...], PackedData]]:
-    """``(partition, order, piece)`` of every piece of a received chunk; the data stays in the frames."""
+def _received_chunk(src: int, frames: Frames) -> Chunk:
+    """The :class:`~mpshuffle.memory.postbox.Chunk` of a received chunk's frames; the data stays in the frames."""
     header = msgpack.unpackb(frames[0])
     nmetas = header["metas"]
-    metas = [bytes(f) for f in frames[1 : 1 + nmetas]]
-    data = [f if isinstance(f, pa.Buffer) else pa.py_buffer(f) for f in frames[1 + nmetas :]]
-    pids = np.frombuffer(header["pids"], np.int64).tolist()
-    nrows = np.frombuffer(header["nrows"], np.int64).tolist()
-    meta_of = np.frombuffer(header["meta_of"], np.int32).tolist()
-    frame_of = np.frombuffer(header["frame_of"], np.int32).tolist()
-    offset = np.frombuffer(header["offset"], np.int64).tolist()
-    size = np.frombuffer(header["size"], np.int64).tolist()
-    input_index, attempt, seq = header["input"], header["attempt"], header["seq"]
-    return [
-        (pids[k], (input_index, attempt, src, seq + k),
-         PackedData(metas[meta_of[k]], data[frame_of[k]].slice(offset[k], size[k]), nrows[k]))
-        for k in range(len(pids))
-    ]
+    return Chunk(
+        header["input"], header["attempt"], src, header["seq"],
+        pids=np.frombuffer(header["pids"], np.int64),
+        nrows=np.frombuffer(header["nrows"], np.int64),
+        meta_of=np.frombuffer(header["meta_of"], np.int32),
+        frame_of=np.frombuffer(header["frame_of"], np.int32),
+        offset=np.frombuffer(header["offset"], np.int64),
+        size=np.frombuffer(header["size"], np.int64),
+        metas=[bytes(f) for f in frames[1 : 1 + nmetas]],
+        frames=frames[1 + nmetas :],
+    )
