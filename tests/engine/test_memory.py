@@ -243,7 +243,7 @@ def test_chunk_of_many_pieces_in_one_frame_pops_each_partition_in_order(tmp_path
         )
         return c, values
 
-    expected: dict[int, list[list[int]]] = {p: [] for p in range(nparts)}
+    expected: dict[int, list[tuple[int, int, list[int]]]] = {p: [] for p in range(nparts)}
     for input_index in (2, 0, 1):
         for src in (1, 0):
             for attempt in ("b", "a"):
@@ -251,11 +251,11 @@ def test_chunk_of_many_pieces_in_one_frame_pops_each_partition_in_order(tmp_path
                 box.add_chunk(c)
                 if attempt == "a":
                     for p in range(nparts):
-                        expected[p].append((input_index, src, values[p]))  # type: ignore[arg-type]
+                        expected[p].append((input_index, src, values[p]))
     assert box.bytes_spilled > 0 and box.nbytes > 0  # some chunks in memory, some on disk
     for p in range(nparts):
         got = box.pop(p, keep=lambda order: order[1] == "a")
-        want = [v for _, _, v in sorted(expected[p])]  # type: ignore[misc]
+        want = [v for _, _, v in sorted(expected[p])]
         assert [np.frombuffer(g.data, np.int64).tolist() for g in got] == want
         assert [g.nrows for g in got] == [len(v) for v in want]
         assert all(g.metadata == b"meta" for g in got)

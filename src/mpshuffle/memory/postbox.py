@@ -223,7 +223,7 @@ class Postbox:
         numbers = self._unindexed
         self._unindexed = []
         pids = np.concatenate([self._chunks[c].pids for c in numbers])  # type: ignore[union-attr]
-        counts = np.array([self._chunks[c].left for c in numbers], np.int64)  # type: ignore[union-attr]
+        counts = np.array([len(self._chunks[c].pids) for c in numbers], np.int64)  # type: ignore[union-attr]
         chunk_no = np.repeat(np.asarray(numbers, np.int64), counts)
         piece_no = np.arange(len(pids), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
         by_pid = np.argsort(pids, kind="stable")
