@@ -2,7 +2,8 @@
 
 Not a test. For each number of partitions ``n`` (``--sizes``), an input of
 ``n`` partitions of ``--rows`` rows (``int64`` key, ``float64`` value, made
-on the workers by ``dd.from_map``) is shuffled ``n -> n`` with plain Dask
+on the workers by ``dd.from_map`` from :mod:`inputs`, so the task's
+function is pickled by reference, not by value) is shuffled ``n -> n`` with plain Dask
 code, only the method switched::
 
     dask.config.set({"dataframe.shuffle.method": method})
@@ -47,11 +48,10 @@ from distributed import Client, LocalCluster, wait
 import mpshuffle
 import mpshuffle.dask
 
-
-def make_partition(i: int, rows: int) -> pd.DataFrame:
-    """Input partition ``i``: random ``int64`` keys and ``float64`` values."""
-    rng = np.random.default_rng(i)
-    return pd.DataFrame({"key": rng.integers(0, 2**40, rows), "v": rng.random(rows)})
+try:  # run as a script (benchmarks/ on the path) or as benchmarks.partitions_bench
+    from inputs import make_partition
+except ImportError:
+    from benchmarks.inputs import make_partition
 
 
 class _Sampler:
