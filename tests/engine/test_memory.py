@@ -13,10 +13,11 @@ import pytest
 from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
-from mpshuffle.memory.packed import packed_nbytes
+from mpshuffle.memory.packed import PackedPieces, PieceTable, distinct_metadata, packed_nbytes
 from mpshuffle.memory.postbox import Chunk
-from mpshuffle.shuffler.host import Shuffler
-from mpshuffle.table import PackedData
+from mpshuffle.shuffler.host import Shuffler, _batches, _chunk_frames, _received_chunk
+from mpshuffle.table import PackedData, partition_owner
+from mpshuffle.table.hashing import partition_owners
 
 
 def _piece(values: range | list[int], meta: bytes = b"m") -> PackedData:
@@ -273,3 +274,99 @@ def test_chunk_with_bad_arrays_is_refused() -> None:
         Chunk(0, "a", 0, 0, **{**ok, "nrows": np.array([1])}, metas=[b"m"], frames=[bytes(16)])
     with pytest.raises(ValueError, match="outside its frame"):
         Chunk(0, "a", 0, 0, **ok, metas=[b"m"], frames=[bytes(12)])
+
+
+def _table(values: dict[int, list[int]], metas: list[bytes] | None = None) -> PieceTable:
+    """A PieceTable of int64 pieces lying back to back in one buffer, partition ids as given."""
+    pids = list(values)
+    data = np.concatenate([np.array(values[p], np.int64) for p in pids]) if pids else np.zeros(0, np.int64)
+    sizes = np.array([8 * len(values[p]) for p in pids], np.int64)
+    metas = metas or [b"m"]
+    return PieceTable(
+        pids=pids, nrows=sizes // 8, meta_of=[i % len(metas) for i in range(len(pids))], metas=metas,
+        buffer_of=np.zeros(len(pids), np.int32), offset=np.cumsum(sizes) - sizes, size=sizes,
+        buffers=[data.tobytes()],
+    )
+
+
+def test_piece_table_builds_each_piece_on_demand_and_checks_its_arrays() -> None:
+    t = _table({5: [1, 2], 2: [3], 9: [4, 5, 6]}, metas=[b"a", b"b"])
+    assert len(t) == 3
+    assert [np.frombuffer(p.data, np.int64).tolist() for p in t] == [[1, 2], [3], [4, 5, 6]]
+    assert [p.nrows for p in t] == [2, 1, 3] and [p.metadata for p in t] == [b"a", b"b", b"a"]
+    assert t[-1] == t[2] and np.frombuffer(t[2].data, np.int64).tolist() == [4, 5, 6]
+    assert t[1:].pids.tolist() == [2, 9] and list(t[1:]) == list(t)[1:]
+    assert t == list(t) and t != list(t)[:2]
+    assert (t.address - t.address[0]).tolist() == [0, 16, 24]
+    assert t.nbytes == 48 + 2 and packed_nbytes(t) == 48 + 2
+    assert distinct_metadata(t) == [b"a", b"b"] and distinct_metadata(list(t)) == [b"a", b"b"]
+    with pytest.raises(IndexError):
+        t[3]
+    ok = {"pids": [0, 1], "nrows": [1, 1], "meta_of": [0, 0], "metas": [b"m"], "buffer_of": [0, 0],
+          "offset": [0, 8], "size": [8, 8], "buffers": [bytes(16)]}
+    PieceTable(**ok)  # type: ignore[arg-type]
+    for bad, match in (({"nrows": [1]}, "differ in length"), ({"meta_of": [0, 1]}, "meta_of"),
+                       ({"buffer_of": [0, 1]}, "buffer_of"), ({"offset": [0, 9]}, "outside its buffer")):
+        with pytest.raises(ValueError, match=match):
+            PieceTable(**{**ok, **bad})  # type: ignore[arg-type]
+
+
+def test_packed_pieces_is_a_mapping_by_ascending_partition_id() -> None:
+    pieces = PackedPieces(_table({1: [10], 4: [40, 41], 7: [70]}))
+    assert list(pieces) == [1, 4, 7] and len(pieces) == 3
+    assert np.frombuffer(pieces[4].data, np.int64).tolist() == [40, 41]
+    assert 4 in pieces and 5 not in pieces and "x" not in pieces
+    with pytest.raises(KeyError):
+        pieces[5]
+    assert {k: v.nrows for k, v in pieces.items()} == {1: 1, 4: 2, 7: 1}
+    with pytest.raises(ValueError, match="ascending"):
+        PackedPieces(_table({4: [1], 1: [2]}))
+
+
+def test_batches_follow_the_owner_rule_and_close_at_batch_bytes() -> None:
+    # 10 partitions, piece p of p + 1 int64 values, 3 ranks, chunks close at 130 bytes.
+    t = _table({p: list(range(p + 1)) for p in range(10)})
+    batches = _batches(t, 3, 130)
+    got: dict[int, list[int]] = {}
+    for dest, ix in batches:
+        pids = t.pids[ix].tolist()
+        assert all(partition_owner(p, 3) == dest for p in pids)
+        # A chunk closes at the piece that brings it to 130 bytes: only its last piece may pass.
+        sizes = t.size[ix]
+        assert sizes[:-1].sum() < 130
+        got.setdefault(dest, []).extend(pids)
+    assert got == {0: [0, 3, 6, 9], 1: [1, 4, 7], 2: [2, 5, 8]}  # every piece once, in table order per rank
+    # Closed chunks go in the order they closed (their last piece's place in the table), open ones after.
+    closes = [int(ix[-1]) for _, ix in batches if t.size[ix].sum() >= 130]
+    assert closes == [8, 9] and [d for d, _ in batches] == [2, 0, 1]  # rank 1's 120 bytes stay open, go last
+    assert _batches(_table({}), 3, 40) == []
+
+
+def test_chunk_frames_of_a_table_round_trip_through_the_postbox(tmp_path: Any) -> None:
+    """A chunk of a table's pieces in two buffers and two metadata: sent, received, popped back equal."""
+    values = {p: [p * 10 + i for i in range(p % 3 + 1)] for p in range(6)}
+    first, second = _table({p: values[p] for p in range(3)}, [b"x"]), _table({p: values[p] for p in range(3, 6)}, [b"y"])
+    t = PieceTable(
+        pids=np.concatenate([first.pids, second.pids]), nrows=np.concatenate([first.nrows, second.nrows]),
+        meta_of=[0, 0, 0, 1, 1, 1], metas=[b"x", b"y"], buffer_of=[0, 0, 0, 1, 1, 1],
+        offset=np.concatenate([first.offset, second.offset]), size=np.concatenate([first.size, second.size]),
+        buffers=[first.buffers[0], second.buffers[0]],
+    )
+    ix = np.array([1, 2, 3, 5])  # a gap in the second buffer: three frames
+    frames, nbytes = _chunk_frames(4, "a", 100, t, ix)
+    assert nbytes == int(t.size[ix].sum()) and len(frames) == 1 + 2 + 3
+    box = Postbox(BufferResource({}, spill_dir=str(tmp_path)), "rt")
+    box.add_chunk(_received_chunk(1, frames))
+    for k in ix.tolist():
+        (piece,) = box.pop(int(t.pids[k]))
+        assert piece == t[k]
+    box.clear()
+
+
+def test_partition_owners_is_partition_owner_of_each_id() -> None:
+    ids = np.arange(50).reshape(5, 10)
+    assert partition_owners(ids, 7).tolist() == [[partition_owner(int(p), 7) for p in row] for row in ids.tolist()]
+    with pytest.raises(ValueError, match="nranks"):
+        partition_owners(ids, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        partition_owners(np.array([3, -1]), 2)

@@ -1,17 +1,31 @@
-"""The serialized form of one piece of a frame: :class:`PackedData`.
+"""The serialized form of one piece of a frame: :class:`PackedData`, and many pieces as arrays.
 
 The frame adapters of :mod:`mpshuffle.table` write and read it; the memory
 layer holds, counts and spills it without knowing any frame type.
+
+With thousands of output partitions a piece is often a few rows, and an
+object per piece (a :class:`PackedData`, a buffer slice, a tuple) costs more
+than its bytes. :class:`PieceTable` holds many pieces as arrays (rows,
+metadata number, buffer and byte range per piece) over a few buffers;
+:class:`PackedPieces` is the pieces of one insert, by partition id, in that
+form. Both build a :class:`PackedData` only where one is asked for, so code
+that reads pieces one by one keeps working, and code that knows the arrays
+(the shuffler's send path, :func:`mpshuffle.table._columns.gather`) never
+builds one.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
-__all__ = ["PackedData", "packed_nbytes"]
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+__all__ = ["PackedData", "PackedPieces", "PieceTable", "distinct_metadata", "packed_nbytes"]
 
 # The first frame of ``to_frames`` is this prefix (nrows, little-endian uint64)
 # followed by the adapter's metadata, so a receiver needs no side channel to
@@ -115,6 +129,8 @@ def packed_nbytes(pieces: Iterable[PackedData]) -> int:
     int
         Bytes.
     """
+    if isinstance(pieces, PieceTable):
+        return pieces.nbytes
     total = 0
     seen: dict[int, int] = {}
     for p in pieces:
@@ -122,3 +138,199 @@ def packed_nbytes(pieces: Iterable[PackedData]) -> int:
         if id(p.metadata) not in seen:
             seen[id(p.metadata)] = len(p.metadata)
     return total + sum(seen.values())
+
+
+def distinct_metadata(pieces: Sequence[PackedData]) -> list[bytes]:
+    """The distinct metadata of ``pieces``, in order of first use (a :class:`PieceTable`'s without a pass over its pieces)."""
+    if isinstance(pieces, PieceTable):
+        return list(pieces.metas)
+    return list(dict.fromkeys(p.metadata for p in pieces))
+
+
+def _as_buffer(data: Any) -> pa.Buffer:
+    return data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+
+
+class PieceTable(Sequence[PackedData]):
+    """Many pieces as arrays over a few buffers: a sequence of :class:`PackedData` built on demand.
+
+    Piece ``i`` belongs to output partition ``pids[i]``, has ``nrows[i]``
+    rows and metadata ``metas[meta_of[i]]``, and its data is the ``size[i]``
+    bytes at ``offset[i]`` of ``buffers[buffer_of[i]]``. ``table[i]`` is that
+    :class:`PackedData` (its data a zero-copy slice); ``table[a:b]`` and
+    :meth:`take` are tables of the chosen pieces over the same buffers.
+
+    Parameters
+    ----------
+    pids, nrows, buffer_of, offset, size
+        One entry per piece (shape ``(n,)``; ``int64``, ``buffer_of``
+        ``int32``); ``offset`` and ``size`` in bytes.
+    meta_of
+        Metadata number of each piece (``int32``, shape ``(n,)``).
+    metas
+        The distinct metadata (bytes; distinct by value where the pieces come
+        from :class:`~mpshuffle.memory.postbox.Postbox`, by object at least).
+    buffers
+        The buffers the pieces lie in (buffer-protocol objects; held, so the
+        pieces' memory lives as long as the table or a piece built from it).
+
+    Raises
+    ------
+    ValueError
+        If the arrays differ in length, a metadata or buffer number is out of
+        range, or a byte range lies outside its buffer.
+    """
+
+    __slots__ = ("buffer_of", "buffers", "meta_of", "metas", "nrows", "offset", "pids", "size")
+
+    def __init__(
+        self, *, pids: npt.ArrayLike, nrows: npt.ArrayLike, meta_of: npt.ArrayLike, metas: Sequence[bytes],
+        buffer_of: npt.ArrayLike, offset: npt.ArrayLike, size: npt.ArrayLike, buffers: Sequence[Any],
+    ) -> None:
+        self.pids = np.asarray(pids, np.int64)
+        self.nrows = np.asarray(nrows, np.int64)
+        self.meta_of = np.asarray(meta_of, np.int32)
+        self.buffer_of = np.asarray(buffer_of, np.int32)
+        self.offset = np.asarray(offset, np.int64)
+        self.size = np.asarray(size, np.int64)
+        self.metas = list(metas)
+        self.buffers = [_as_buffer(b) for b in buffers]
+        n = len(self.pids)
+        if not all(len(a) == n for a in (self.nrows, self.meta_of, self.buffer_of, self.offset, self.size)):
+            raise ValueError("a PieceTable's arrays (pids, nrows, meta_of, buffer_of, offset, size) differ in length")
+        if n:
+            if self.meta_of.min() < 0 or self.meta_of.max() >= len(self.metas):
+                raise ValueError(f"a PieceTable's meta_of is outside its {len(self.metas)} metadata")
+            if self.buffer_of.min() < 0 or self.buffer_of.max() >= len(self.buffers):
+                raise ValueError(f"a PieceTable's buffer_of is outside its {len(self.buffers)} buffers")
+            sizes = np.array([b.size for b in self.buffers], np.int64)
+            if (self.offset < 0).any() or (self.size < 0).any() or (
+                self.offset + self.size > sizes[self.buffer_of]
+            ).any():
+                raise ValueError("a PieceTable's piece lies outside its buffer")
+
+    @classmethod
+    def _unchecked(
+        cls, pids: npt.NDArray[np.int64], nrows: npt.NDArray[np.int64], meta_of: npt.NDArray[Any],
+        metas: list[bytes], buffer_of: npt.NDArray[Any], offset: npt.NDArray[np.int64],
+        size: npt.NDArray[np.int64], buffers: list[pa.Buffer],
+    ) -> PieceTable:
+        """A table of arrays that the caller built consistent (of these dtypes, ``pyarrow.Buffer`` buffers): no checks."""
+        table = cls.__new__(cls)
+        table.pids, table.nrows, table.meta_of, table.metas = pids, nrows, meta_of, metas
+        table.buffer_of, table.offset, table.size, table.buffers = buffer_of, offset, size, buffers
+        return table
+
+    @classmethod
+    def of_pieces(cls, pieces: Sequence[PackedData], pids: npt.ArrayLike | None = None) -> PieceTable:
+        """The table of ``pieces`` (each piece's data a buffer of its own); ``pids`` default to zeros."""
+        number: dict[int, int] = {}
+        metas: list[bytes] = []
+        for p in pieces:
+            if id(p.metadata) not in number:
+                number[id(p.metadata)] = len(metas)
+                metas.append(p.metadata)
+        n = len(pieces)
+        return cls(
+            pids=np.zeros(n, np.int64) if pids is None else pids,
+            nrows=[p.nrows for p in pieces], meta_of=[number[id(p.metadata)] for p in pieces], metas=metas,
+            buffer_of=np.arange(n, dtype=np.int32), offset=np.zeros(n, np.int64),
+            size=[_buffer_size(p.data) for p in pieces], buffers=[p.data for p in pieces],
+        )
+
+    def __len__(self) -> int:
+        return len(self.pids)
+
+    @overload
+    def __getitem__(self, i: int) -> PackedData: ...
+    @overload
+    def __getitem__(self, i: slice) -> PieceTable: ...
+    def __getitem__(self, i: int | slice) -> PackedData | PieceTable:
+        if isinstance(i, slice):
+            return self.take(np.arange(len(self))[i])
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"piece {i} of a table of {len(self)}")
+        i = int(i) % len(self)
+        off = int(self.offset[i])
+        data = self.buffers[int(self.buffer_of[i])].slice(off, int(self.size[i]))
+        return PackedData(self.metas[int(self.meta_of[i])], data, int(self.nrows[i]))
+
+    def __iter__(self) -> Iterator[PackedData]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to any sequence of the same pieces (metadata, bytes and rows), e.g. a list of them."""
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def take(self, indices: npt.ArrayLike) -> PieceTable:
+        """The table of pieces ``indices`` (in that order), over the same metadata and buffers."""
+        ix = np.asarray(indices, np.int64)
+        if len(ix) and (ix.min() < -len(self) or ix.max() >= len(self)):
+            raise IndexError(f"pieces {ix.min()}..{ix.max()} of a table of {len(self)}")
+        return PieceTable._unchecked(
+            self.pids[ix], self.nrows[ix], self.meta_of[ix], self.metas,
+            self.buffer_of[ix], self.offset[ix], self.size[ix], self.buffers,
+        )
+
+    @property
+    def address(self) -> npt.NDArray[np.uint64]:
+        """Each piece's data address in host memory (``uint64``, shape ``(n,)``)."""
+        bases = np.array([b.address for b in self.buffers], np.uint64)
+        return bases[self.buffer_of] + self.offset.astype(np.uint64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pieces hold: their data and each metadata once."""
+        return int(self.size.sum()) + sum(len(m) for m in self.metas)
+
+
+class PackedPieces(Mapping[int, PackedData]):
+    """The pieces of one insert by output partition id, as a :class:`PieceTable` (what :func:`pack` returns).
+
+    A mapping ``{partition_id: PackedData}`` like the dict the adapters
+    returned before, built per piece only where one is looked up; the
+    shuffler reads :attr:`table`'s arrays instead.
+
+    Parameters
+    ----------
+    table
+        One piece per partition, its ``pids`` strictly ascending.
+
+    Raises
+    ------
+    ValueError
+        If ``table.pids`` is not strictly ascending.
+    """
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: PieceTable) -> None:
+        if len(table) > 1 and not (np.diff(table.pids) > 0).all():
+            raise ValueError("PackedPieces needs one piece per partition, by ascending partition id")
+        self.table = table
+
+    def __getitem__(self, pid: int) -> PackedData:
+        pids = self.table.pids
+        at = int(np.searchsorted(pids, pid))
+        if at == len(pids) or pids[at] != pid:
+            raise KeyError(pid)
+        return self.table[at]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.table.pids.tolist())
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __contains__(self, pid: object) -> bool:
+        pids = self.table.pids
+        try:
+            at = int(np.searchsorted(pids, pid))  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            return False
+        return at < len(pids) and pids[at] == pid

@@ -13,8 +13,11 @@ A chunk is held as one :class:`Chunk`: its pieces' partitions, row counts,
 metadata and byte ranges are arrays, so nothing is built per piece while it
 waits (the cost of a chunk of thousands of one-row pieces is a few arrays,
 not an object per piece). The first :meth:`Postbox.pop` after chunks
-arrived indexes them all at once (a stable sort of their partition ids); a
-pop then builds the pieces of its one partition only. A chunk is kept or
+arrived indexes them all at once (their pieces as one segment of arrays, a
+stable sort of their partition ids); a pop then gathers its one
+partition's entries and returns them as a
+:class:`~mpshuffle.memory.packed.PieceTable`, still without an object per
+piece. A chunk is kept or
 spilled as a whole (its pieces share its receive buffers) and accounted
 until its last piece is popped.
 """
@@ -31,7 +34,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from mpshuffle.errors import SpillError
-from mpshuffle.memory.packed import PackedData, _buffer_size
+from mpshuffle.memory.packed import PackedData, PieceTable, _buffer_size
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 from mpshuffle.memory.store import DiskTier, admits
@@ -47,6 +50,8 @@ class Chunk:
     ``size[k]`` bytes at ``offset[k]`` of ``frames[frame_of[k]]``. Pieces of
     one partition are ordered by ``(input_index, attempt, src, seq + k)``:
     by input partition, then by their position in the sender's sequence.
+    Once a :class:`Postbox` has filed the chunk under its partitions, the
+    piece arrays are empty (the postbox's arrays hold what they said).
 
     Parameters
     ----------
@@ -74,7 +79,7 @@ class Chunk:
     """
 
     __slots__ = (
-        "attempt", "file_at", "frame_of", "frames", "input_index", "left", "meta_of", "metas",
+        "attempt", "file_at", "frame_of", "frames", "frames_at", "input_index", "left", "meta_of", "metas",
         "nbytes", "nrows", "offset", "pids", "reservation", "seq", "size", "src",
     )
 
@@ -105,6 +110,7 @@ class Chunk:
         self.left = n
         self.reservation: Reservation | None = None
         self.file_at: npt.NDArray[np.int64] | None = None  # each frame's offset in the spill file
+        self.frames_at = 0  # where its frames start in the postbox's frame list, once indexed
 
     @classmethod
     def of_pieces(
@@ -162,12 +168,27 @@ class Postbox:
         self.name = name
         self.spill = SpillDirectory(resource.spill_path(name), owner=resource.owner)
         self.disk = DiskTier(self.spill)
-        self._chunks: list[Chunk | None] = []
-        self._unindexed: list[int] = []
-        # partition id -> [(chunk numbers, piece numbers)] (arrays), filled by _index.
-        self._where: dict[int, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]] = {}
         self._lock = threading.Lock()
         self._error: SpillError | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._chunks: list[Chunk | None] = []
+        self._left = np.zeros(16, np.int64)  # pieces of each chunk not popped yet
+        self._unindexed: list[int] = []
+        # Per chunk, what orders its pieces (filled by _index, as arrays).
+        self._orders: list[tuple[int, int, int]] = []  # (input_index, attempt number, src)
+        self._order_arrays = np.zeros((3, 0), np.int64)
+        self._attempts: dict[str, int] = {}
+        self._attempt_rank = np.zeros(0, np.int64)
+        self._kept: dict[int, bool] = {}
+        self._kept_by: Any = None
+        # Distinct metadata (by value) and the in-memory chunks' frames, numbered.
+        self._metas: dict[bytes, int] = {}
+        self._meta_list: list[bytes] = []
+        self._frames: list[Any] = []
+        # partition id -> [(segment, piece numbers in it)], filled by _index.
+        self._where: dict[int, list[tuple[_Segment, npt.NDArray[np.int64]]]] = {}
         self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
 
     def add(self, partition_id: int, order: tuple[int, str, int, int], piece: PackedData) -> None:
@@ -209,43 +230,96 @@ class Postbox:
         with self._lock:
             chunk.reservation = self.resource.reserve(tier, chunk.nbytes)
             self._held[tier] += chunk.nbytes
-            self._unindexed.append(len(self._chunks))
+            number = len(self._chunks)
+            if number == len(self._left):
+                self._left = np.concatenate((self._left, np.zeros(len(self._left), np.int64)))
+            self._left[number] = chunk.left
+            self._unindexed.append(number)
             self._chunks.append(chunk)
 
     def _fail(self, error: SpillError) -> None:
         self._error = error
         self.clear()
 
+    def _meta_number(self, meta: bytes) -> int:
+        number = self._metas.get(meta)
+        if number is None:
+            number = self._metas[meta] = len(self._meta_list)
+            self._meta_list.append(meta)
+        return number
+
     def _index(self) -> None:
-        """File the chunks that arrived since the last pop under their partitions (under the lock)."""
+        """File the chunks that arrived since the last pop under their partitions (under the lock).
+
+        All their pieces become one :class:`_Segment` (arrays over the
+        pieces, a per-chunk loop of a few array operations to build it); each
+        partition gets the numbers of its pieces in it, from one stable sort.
+        """
         if not self._unindexed:
             return
         numbers = self._unindexed
         self._unindexed = []
-        pids = np.concatenate([self._chunks[c].pids for c in numbers])  # type: ignore[union-attr]
-        counts = np.array([len(self._chunks[c].pids) for c in numbers], np.int64)  # type: ignore[union-attr]
-        chunk_no = np.repeat(np.asarray(numbers, np.int64), counts)
-        piece_no = np.arange(len(pids), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        chunks: list[Chunk] = [self._chunks[c] for c in numbers]  # type: ignore[misc]
+        counts = np.array([len(ch.pids) for ch in chunks], np.int64)
+        starts = np.cumsum(counts) - counts
+        frame_no, position = [], []
+        for ch in chunks:
+            key = (ch.input_index, self._attempts.setdefault(ch.attempt, len(self._attempts)), ch.src)
+            self._orders.append(key)
+            if ch.frames is not None:
+                ch.frames_at = len(self._frames)
+                self._frames.extend(ch.frames)
+                frame_no.append(ch.frame_of.astype(np.int64) + ch.frames_at)
+                position.append(ch.offset)
+            else:
+                assert ch.file_at is not None
+                frame_no.append(np.full(len(ch.pids), -1, np.int64))
+                position.append(ch.file_at[ch.frame_of] + ch.offset)
+        self._order_arrays = np.array(self._orders, np.int64).reshape(-1, 3).T
+        if len(self._attempt_rank) != len(self._attempts):  # attempt number -> its rank by value
+            self._attempt_rank = np.argsort(np.argsort(np.array(list(self._attempts), dtype=object)))
+        piece_no = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+        segment = _Segment(
+            chunk=np.repeat(np.asarray(numbers, np.int64), counts),
+            seq=np.repeat(np.array([ch.seq for ch in chunks], np.int64), counts) + piece_no,
+            nrows=np.concatenate([ch.nrows for ch in chunks]),
+            meta=np.concatenate([
+                np.array([self._meta_number(m) for m in ch.metas], np.int64)[ch.meta_of] for ch in chunks
+            ]),
+            frame=np.concatenate(frame_no),
+            position=np.concatenate(position),
+            size=np.concatenate([ch.size for ch in chunks]),
+        )
+        pids = np.concatenate([ch.pids for ch in chunks])
+        for ch in chunks:  # the segment holds what they said (and their received headers can go)
+            ch.pids = ch.nrows = ch.offset = ch.size = _NO_PIECES
+            ch.meta_of = ch.frame_of = _NO_NUMBERS
         by_pid = np.argsort(pids, kind="stable")
         sorted_pids = pids[by_pid]
         cuts = np.flatnonzero(sorted_pids[1:] != sorted_pids[:-1]) + 1
         bounds = np.concatenate(([0], cuts, [len(pids)])).tolist()
         for lo, hi in itertools.pairwise(bounds):
-            if lo == hi:
-                continue
-            sel = by_pid[lo:hi]
-            self._where.setdefault(int(sorted_pids[lo]), []).append((chunk_no[sel], piece_no[sel]))
+            if lo < hi:
+                self._where.setdefault(int(sorted_pids[lo]), []).append((segment, by_pid[lo:hi]))
 
     def pop(
         self, partition_id: int, keep: Callable[[tuple[int, str, int, int]], bool] | None = None
-    ) -> list[PackedData]:
+    ) -> PieceTable:
         """Remove and return the pieces of ``partition_id``, in their order (see :class:`Chunk`).
 
         ``keep(chunk.order())``, if given, selects the chunks whose pieces
         are returned; the others' are dropped (and not read back from disk).
+        It is asked once per chunk while it is the same function.
 
         Spilled pieces are read back (one read of each piece's byte range,
         all into one buffer) and returned as zero-copy slices of that buffer.
+
+        Returns
+        -------
+        PieceTable
+            The pieces (empty if there are none): their arrays, over the
+            chunks' frames and the read-back buffer; no object is built per
+            piece until one is asked for.
 
         Raises
         ------
@@ -258,89 +332,82 @@ class Postbox:
             self._index()
             found = self._where.pop(partition_id, [])
             if not found:
-                return []
-            cn = np.concatenate([c for c, _ in found])
-            pn = np.concatenate([p for _, p in found])
-            numbers = np.unique(cn).tolist()
-            chunks = {c: self._chunks[c] for c in numbers}
+                return _empty_table()
+            pieces = _Segment.joined(found)
             if keep is not None:
-                dropped = [c for c in numbers if not keep(chunks[c].order())]  # type: ignore[union-attr]
-                if dropped:
-                    gone = np.isin(cn, dropped)
-                    self._done(cn[gone])
-                    cn, pn = cn[~gone], pn[~gone]
-                    for c in dropped:
-                        del chunks[c]
-        if not len(cn):
-            return []
-        live: dict[int, Chunk] = {c: ch for c, ch in chunks.items() if ch is not None}
-        order = self._ordered(live, cn, pn)
-        cn, pn = cn[order], pn[order]
-        try:
-            pieces = self._pieces(live, cn.tolist(), pn.tolist())
-        except SpillError as e:
-            with self._lock:
-                self._done(cn)
-            self._fail(e)
-            raise
+                kept = self._kept_mask(pieces.chunk, keep)
+                if not kept.all():
+                    self._done(pieces.chunk[~kept])
+                    pieces = pieces.take(np.flatnonzero(kept))
+            if not len(pieces.chunk):
+                return _empty_table()
+            inp, att, src = self._order_arrays[:, pieces.chunk]
+            pieces = pieces.take(np.lexsort((pieces.seq, src, self._attempt_rank[att], inp)))
+            in_memory = pieces.frame >= 0
+            frames, frame_at = np.unique(pieces.frame[in_memory], return_inverse=True)
+            buffers = [self._frames[f] for f in frames.tolist()]
+            metas, meta_of = np.unique(pieces.meta, return_inverse=True)
+            meta_list = [self._meta_list[m] for m in metas.tolist()]
+        buffer_of = np.full(len(pieces.chunk), len(buffers), np.int32)
+        buffer_of[in_memory] = frame_at
+        offset = pieces.position.copy()
+        if not in_memory.all():
+            on_disk = np.flatnonzero(~in_memory)
+            ranges = list(zip(pieces.position[on_disk].tolist(), pieces.size[on_disk].tolist(), strict=True))
+            try:
+                read_back, at = self.disk.read(ranges)
+            except SpillError as e:
+                with self._lock:
+                    self._done(pieces.chunk)
+                self._fail(e)
+                raise
+            buffers.append(read_back)
+            offset[on_disk] = at
+        if len(buffers) > len(frames):
+            buffers[-1] = pa.py_buffer(buffers[-1])  # the read-back buffer (the frames are Buffers already)
+        table = PieceTable._unchecked(
+            np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows, meta_of.astype(np.int32),
+            meta_list, buffer_of, offset, pieces.size, buffers,
+        )
         with self._lock:
-            self._done(cn)
-        return pieces
+            self._done(pieces.chunk)
+        return table
 
-    @staticmethod
-    def _ordered(
-        chunks: dict[int, Chunk], cn: npt.NDArray[np.int64], pn: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.int64]:
-        """The permutation that puts pieces ``(cn, pn)`` in their order (see :class:`Chunk`)."""
-        numbers = sorted(chunks)
-        at = np.searchsorted(np.asarray(numbers, np.int64), cn)
-        attempts = sorted({chunks[c].attempt for c in numbers})
-        rank_of = {a: r for r, a in enumerate(attempts)}
-        inp = np.array([chunks[c].input_index for c in numbers], np.int64)[at]
-        att = np.array([rank_of[chunks[c].attempt] for c in numbers], np.int64)[at]
-        src = np.array([chunks[c].src for c in numbers], np.int64)[at]
-        seq = np.array([chunks[c].seq for c in numbers], np.int64)[at] + pn
-        return np.lexsort((seq, src, att, inp))
-
-    def _pieces(self, chunks: dict[int, Chunk], cn: list[int], pn: list[int]) -> list[PackedData]:
-        """Build the pieces ``(cn[i], pn[i])``; those of spilled chunks read back in one read."""
-        out: list[Any] = [None] * len(cn)
-        spilled: list[tuple[int, int, int]] = []
-        ranges: list[tuple[int, int]] = []
-        for i, (c, k) in enumerate(zip(cn, pn, strict=True)):
-            ch = chunks[c]
-            f, off, size = int(ch.frame_of[k]), int(ch.offset[k]), int(ch.size[k])
-            if ch.frames is not None:
-                meta = ch.metas[ch.meta_of[k]]
-                out[i] = PackedData(meta, ch.frames[f].slice(off, size), int(ch.nrows[k]))
-            else:
-                assert ch.file_at is not None
-                spilled.append((i, c, k))
-                ranges.append((int(ch.file_at[f]) + off, size))
-        if spilled:
-            views = self.disk.get(ranges)
-            for (i, c, k), view in zip(spilled, views, strict=True):
-                ch = chunks[c]
-                out[i] = PackedData(ch.metas[ch.meta_of[k]], view, int(ch.nrows[k]))
-        return out
+    def _kept_mask(
+        self, chunk: npt.NDArray[np.int64], keep: Callable[[tuple[int, str, int, int]], bool]
+    ) -> npt.NDArray[np.bool_]:
+        """Whether each piece's chunk is kept by ``keep`` (asked once per chunk; under the lock)."""
+        if keep is not self._kept_by:
+            self._kept, self._kept_by = {}, keep
+        numbers = np.unique(chunk)
+        verdict = np.empty(len(numbers), np.bool_)
+        for i, c in enumerate(numbers.tolist()):
+            v = self._kept.get(c)
+            if v is None:
+                ch = self._chunks[c]
+                v = self._kept[c] = bool(keep(ch.order())) if ch is not None else False
+            verdict[i] = v
+        return verdict[np.searchsorted(numbers, chunk)]
 
     def _done(self, cn: npt.NDArray[np.int64]) -> None:
         """Count the pieces of chunks ``cn`` (one entry per piece) as gone (under the lock)."""
         if not len(cn):
             return
         numbers, counts = np.unique(cn, return_counts=True)
+        numbers, counts = numbers[numbers < len(self._chunks)], counts[numbers < len(self._chunks)]  # cleared meanwhile
+        self._left[numbers] -= counts
         held = self._held
-        for c, n in zip(numbers.tolist(), counts.tolist(), strict=True):
-            ch = self._chunks[c] if c < len(self._chunks) else None  # None: cleared meanwhile
+        for c in numbers[self._left[numbers] <= 0].tolist():
+            ch = self._chunks[c]
             if ch is None:
                 continue
-            ch.left -= n
-            if ch.left <= 0:
-                reservation = ch.reservation
-                if reservation is not None and reservation.nbytes:
-                    held[reservation.memory_type] -= reservation.nbytes
-                    reservation.release()
-                self._chunks[c] = None  # its frames go now
+            reservation = ch.reservation
+            if reservation is not None and reservation.nbytes:
+                held[reservation.memory_type] -= reservation.nbytes
+                reservation.release()
+            if ch.frames is not None:
+                self._frames[ch.frames_at : ch.frames_at + len(ch.frames)] = [None] * len(ch.frames)
+            self._chunks[c] = None  # its frames go now
 
     @property
     def bytes_spilled(self) -> int:
@@ -380,8 +447,46 @@ class Postbox:
             for ch in self._chunks:
                 if ch is not None and ch.reservation is not None:
                     ch.reservation.release()
-            self._chunks = []
-            self._unindexed = []
-            self._where.clear()
-            self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
+            self._reset()
         self.spill.remove()
+
+
+class _Segment:
+    """Pieces of the chunks one :meth:`Postbox._index` filed, as arrays (one entry per piece).
+
+    ``chunk`` is the postbox's chunk number, ``seq`` the sender's sequence
+    number of the piece, ``meta`` the postbox's metadata number, ``frame``
+    the postbox's frame number (``-1`` for a spilled chunk) and ``position``
+    the byte offset in that frame (in the spill file for a spilled chunk).
+    """
+
+    __slots__ = ("chunk", "frame", "meta", "nrows", "position", "seq", "size")
+
+    def __init__(
+        self, *, chunk: npt.NDArray[np.int64], seq: npt.NDArray[np.int64], nrows: npt.NDArray[np.int64],
+        meta: npt.NDArray[np.int64], frame: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
+        size: npt.NDArray[np.int64],
+    ) -> None:
+        self.chunk, self.seq, self.nrows, self.meta = chunk, seq, nrows, meta
+        self.frame, self.position, self.size = frame, position, size
+
+    def take(self, ix: npt.NDArray[np.int64]) -> _Segment:
+        return _Segment(**{k: getattr(self, k)[ix] for k in self.__slots__})
+
+    @staticmethod
+    def joined(parts: Sequence[tuple[_Segment, npt.NDArray[np.int64]]]) -> _Segment:
+        """The pieces ``ix`` of each ``(segment, ix)``, one after another."""
+        if len(parts) == 1:
+            segment, ix = parts[0]
+            return segment.take(ix)
+        return _Segment(**{
+            k: np.concatenate([getattr(seg, k)[ix] for seg, ix in parts]) for k in _Segment.__slots__
+        })
+
+
+_NO_PIECES = np.zeros(0, np.int64)
+_NO_NUMBERS = np.zeros(0, np.int32)
+
+
+def _empty_table() -> PieceTable:
+    return PieceTable.of_pieces([])

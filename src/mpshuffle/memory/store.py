@@ -211,12 +211,25 @@ class DiskTier:
         """
         if not ranges:
             return []
+        buf, positions = self.read(ranges)
+        return [buf[at : at + n] for (_, n), at in zip(ranges, positions, strict=True)]
+
+    def read(self, ranges: Sequence[tuple[int, int]]) -> tuple[memoryview, list[int]]:
+        """Read the ``(offset, nbytes)`` ranges back into one aligned host buffer: it and where each starts.
+
+        As :meth:`get` without a view per range (positions are multiples of
+        :data:`~mpshuffle.memory.spill.ALIGNMENT`).
+
+        Raises
+        ------
+        SpillError
+            If the file cannot be read or ends early.
+        """
         t0 = time.perf_counter()
         buf, positions = self.directory.read_ranges(ranges)
-        views = [buf[at : at + n] for (_, n), at in zip(ranges, positions, strict=True)]
         self.seconds_read += time.perf_counter() - t0
         self.bytes_read += sum(n for _, n in ranges)
-        return views
+        return buf, positions
 
     def remove(self) -> None:
         """Delete the spill file and its directory; later writes raise :class:`SpillError`. Idempotent."""

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from mpshuffle.errors import (
@@ -48,9 +49,10 @@ from mpshuffle.errors import (
     SpillError,
 )
 from mpshuffle.memory import BufferResource, Chunk, MemoryType, Postbox
-from mpshuffle.memory.packed import packed_nbytes
+from mpshuffle.memory.packed import PackedPieces, PieceTable
 from mpshuffle.shuffler.run import Run
-from mpshuffle.table import PackedData, partition_owner
+from mpshuffle.table import PackedData
+from mpshuffle.table.hashing import partition_owners
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
@@ -168,23 +170,12 @@ class Shuffler(Run):
             raise ShuffleError(f"insert after insert_finished in shuffle op {self.op_id}")
         t0 = time.perf_counter()
         nranks, timeout = self.comm.nranks, self.timeout
-        reservation = self.postbox.resource.reserve(MemoryType.HOST, packed_nbytes(pieces.values()))
-        total = 0
-        batches: dict[int, list[tuple[int, PackedData]]] = {}
-        sizes: dict[int, int] = {}
+        table = _table_of(pieces)
+        reservation = self.postbox.resource.reserve(MemoryType.HOST, table.nbytes)
         in_flight: dict[int, Any] = {}
         try:
-            for pid, packed in pieces.items():
-                dest = partition_owner(pid, nranks)
-                batches.setdefault(dest, []).append((pid, packed))
-                nbytes = _data_size(packed)
-                total += nbytes
-                sizes[dest] = sizes.get(dest, 0) + nbytes
-                if sizes[dest] >= self._batch_bytes:
-                    self._send_after(in_flight, dest, (input_index, attempt), batches.pop(dest), timeout)
-                    sizes[dest] = 0
-            for dest, batch in batches.items():
-                self._send_after(in_flight, dest, (input_index, attempt), batch, timeout)
+            for dest, ix in _batches(table, nranks, self._batch_bytes):
+                self._send_after(in_flight, dest, (input_index, attempt), table, ix, timeout)
             # One deadline for the last chunks: the error names every rank
             # that did not take its chunk, after one timeout at most.
             deadline, unsent = time.monotonic() + timeout, []
@@ -200,12 +191,12 @@ class Shuffler(Run):
         finally:
             reservation.release()
         with self._lock:
-            self.statistics["bytes_inserted"] += total
+            self.statistics["bytes_inserted"] += int(table.size.sum())
             self.statistics["seconds_insert"] += time.perf_counter() - t0
 
     def _send_after(
         self, in_flight: dict[int, Any], dest: int, source: tuple[int, str],
-        batch: list[tuple[int, PackedData]], timeout: float,
+        table: PieceTable, ix: npt.NDArray[np.int64], timeout: float,
     ) -> None:
         """Send a chunk to ``dest`` once the previous chunk to ``dest`` has gone."""
         previous = in_flight.get(dest)
@@ -215,7 +206,7 @@ class Shuffler(Run):
             except concurrent.futures.TimeoutError:
                 self._raise_unsent([dest], timeout)
             self._raise_if_failed()
-        in_flight[dest] = self._send_chunk(dest, source, batch)
+        in_flight[dest] = self._send_chunk(dest, source, table, ix)
 
     def _raise_unsent(self, dests: list[int], timeout: float) -> None:
         """Raise the timeout of sends that did not complete, naming the ranks that stopped reading.
@@ -232,10 +223,12 @@ class Shuffler(Run):
             missing=tuple(sorted(dests)),
         )
 
-    def _send_chunk(self, dest: int, source: tuple[int, str], batch: list[tuple[int, PackedData]]) -> Any:
+    def _send_chunk(
+        self, dest: int, source: tuple[int, str], table: PieceTable, ix: npt.NDArray[np.int64]
+    ) -> Any:
         input_index, attempt = source
-        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, batch)
-        self._seq += len(batch)
+        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix)
+        self._seq += len(ix)
         with self._lock:
             self._sent[dest] += 1
             self.statistics["chunks_sent"] += 1
@@ -360,8 +353,12 @@ class Shuffler(Run):
         self._raise_if_failed()
         self.statistics["seconds_wait"] += time.perf_counter() - t0
 
-    def extract(self, partition_id: int) -> list[PackedData]:
+    def extract(self, partition_id: int) -> Sequence[PackedData]:
         """Return the pieces of one output partition, ordered by input partition.
+
+        They come as a :class:`~mpshuffle.memory.packed.PieceTable` (a
+        sequence of :class:`PackedData` built on demand, over the received
+        frames).
 
         Waits for completeness first (see :meth:`wait`). The partition's
         buffers leave the postbox; after the rank's last owned partition the
@@ -416,59 +413,115 @@ class Shuffler(Run):
         self.close()
 
 
-def _data_size(piece: PackedData) -> int:
-    data = piece.data
-    size = getattr(data, "size", None)
-    return size if isinstance(size, int) else memoryview(data).nbytes
+def _table_of(pieces: Mapping[int, PackedData]) -> PieceTable:
+    """The pieces of one insert as a :class:`~mpshuffle.memory.packed.PieceTable`, in the mapping's order.
+
+    :func:`~mpshuffle.table._columns.pack`'s pieces are one already; for
+    others, pieces that are slices of one parent ``pyarrow.Buffer`` (pooled or
+    packed memory) are byte ranges of that parent, so adjacent ones travel
+    as one frame.
+    """
+    if isinstance(pieces, PackedPieces):
+        return pieces.table
+    pids = np.fromiter(pieces.keys(), np.int64, len(pieces))
+    values = list(pieces.values())
+    table = PieceTable.of_pieces(values, pids)
+    datas = [p.data for p in values]
+    parents = [d.parent if type(d) is pa.Buffer else None for d in datas]
+    if not values or any(parent is None for parent in parents):
+        return table
+    # pyarrow gives a new object for every .parent: parents are the same
+    # buffer where they span the same bytes.
+    number: dict[tuple[int, int], int] = {}
+    buffers: list[Any] = []
+    buffer_of = np.empty(len(values), np.int32)
+    offset = np.empty(len(values), np.int64)
+    for i, (d, parent) in enumerate(zip(datas, parents, strict=True)):
+        assert parent is not None
+        span = (parent.address, parent.size)
+        if span not in number:
+            number[span] = len(buffers)
+            buffers.append(parent)
+        buffer_of[i] = number[span]
+        offset[i] = d.address - parent.address
+    return PieceTable(
+        pids=pids, nrows=table.nrows, meta_of=table.meta_of, metas=table.metas,
+        buffer_of=buffer_of, offset=offset, size=table.size, buffers=buffers,
+    )
+
+
+def _batches(table: PieceTable, nranks: int, batch_bytes: int) -> list[tuple[int, npt.NDArray[np.int64]]]:
+    """The chunks to send: ``(destination rank, piece numbers)``, in the order they fill.
+
+    Pieces go to their partition's owner
+    (:func:`~mpshuffle.table.hashing.partition_owners`), in table order; a chunk
+    closes at the piece that brings it to ``batch_bytes``. Closed chunks are
+    sent in the order they closed (the order a loop over the pieces would
+    send them, so the destinations take turns), the rest after, by
+    destination.
+    """
+    n = len(table)
+    if n == 0:
+        return []
+    dest = partition_owners(table.pids, nranks)
+    by_dest = np.argsort(dest, kind="stable")
+    sorted_dest = dest[by_dest]
+    cuts = np.flatnonzero(sorted_dest[1:] != sorted_dest[:-1]) + 1
+    closed: list[tuple[int, int, npt.NDArray[np.int64]]] = []
+    rest: list[tuple[int, int, npt.NDArray[np.int64]]] = []
+    size = table.size
+    for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [n])).tolist(), strict=True):
+        ix = by_dest[lo:hi]
+        d = int(sorted_dest[lo])
+        total = np.cumsum(size[ix])
+        start = 0
+        while start < len(ix):
+            before = int(total[start - 1]) if start else 0
+            end = int(np.searchsorted(total, before + batch_bytes, side="left"))  # the piece reaching it
+            if end >= len(ix):
+                rest.append((int(ix[start]), d, ix[start:]))
+                break
+            closed.append((int(ix[end]), d, ix[start : end + 1]))
+            start = end + 1
+    closed.sort(key=lambda c: c[0])
+    rest.sort(key=lambda c: c[1])
+    return [(d, ix) for _, d, ix in closed + rest]
 
 
 def _chunk_frames(
-    input_index: int, attempt: str, seq: int, batch: Sequence[tuple[int, PackedData]]
+    input_index: int, attempt: str, seq: int, table: PieceTable, ix: npt.NDArray[np.int64]
 ) -> tuple[list[Any], int]:
-    """The frames of one chunk (see the module docstring) and its data bytes."""
-    n = len(batch)
-    pids = np.fromiter((pid for pid, _ in batch), np.int64, n)
-    nrows = np.fromiter((p.nrows for _, p in batch), np.int64, n)
-    metadata = [p.metadata for _, p in batch]
-    first = metadata[0] if n else b""
-    if all(m is first for m in metadata):
-        meta_frames: list[Any] = [first] if n else []
+    """The frames of one chunk of pieces ``ix`` of ``table`` (see the module docstring) and its data bytes."""
+    n = len(ix)
+    meta_of: npt.NDArray[Any]
+    if len(table.metas) == 1:
+        meta_frames: list[Any] = list(table.metas) if n else []
         meta_of = np.zeros(n, np.int32)
     else:
-        index: dict[int, int] = {}
-        meta_frames = []
-        for m in metadata:
-            if id(m) not in index:
-                index[id(m)] = len(meta_frames)
-                meta_frames.append(m)
-        meta_of = np.fromiter((index[id(m)] for m in metadata), np.int32, n)
-    datas = [p.data for _, p in batch]
-    parents = [d.parent if type(d) is pa.Buffer else None for d in datas]
-    if n and all(parent is not None for parent in parents):
-        # Pieces of pooled or packed memory: one frame per run of adjacent
-        # pieces of one parent buffer (one per chunk for pack's pieces).
-        address = np.fromiter((d.address for d in datas), np.int64, n)
-        size = np.fromiter((d.size for d in datas), np.int64, n)
-        # pyarrow gives a new object for every .parent: compare what they span.
-        span = np.fromiter((b.address for b in parents if b is not None), np.int64, n)
-        same = span[1:] == span[:-1]
-        starts = np.flatnonzero(np.concatenate(([True], ~(same & (address[1:] == address[:-1] + size[:-1])))))
-        frame_of = (np.cumsum(np.isin(np.arange(n), starts)) - 1).astype(np.int32)
-        ends = np.append(starts[1:], n) - 1
-        offset = address - address[starts][frame_of]
-        data_frames: list[Any] = []
-        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            parent: Any = parents[s]
-            lo = int(address[s])
-            data_frames.append(parent.slice(lo - parent.address, int(address[e] + size[e]) - lo))
+        used, inverse = np.unique(table.meta_of[ix], return_inverse=True)
+        meta_frames = [table.metas[m] for m in used.tolist()]
+        meta_of = inverse.astype(np.int32)
+    buffer_of, at, size = table.buffer_of[ix], table.offset[ix], table.size[ix]
+    # One frame per run of adjacent pieces of one buffer (one per chunk for
+    # pack's pieces: each destination's are contiguous).
+    if n:
+        starts = np.flatnonzero(np.concatenate(
+            ([True], (buffer_of[1:] != buffer_of[:-1]) | (at[1:] != at[:-1] + size[:-1]))))
     else:
-        size = np.fromiter((_data_size(p) for _, p in batch), np.int64, n)
-        offset = np.zeros(n, np.int64)
-        frame_of = np.arange(n, dtype=np.int32)
-        data_frames = datas
+        starts = np.zeros(0, np.int64)
+    first = np.zeros(n, np.int32)
+    first[starts[1:]] = 1
+    frame_of = np.cumsum(first, dtype=np.int32)
+    ends = np.append(starts[1:], n) - 1
+    offset = at - at[starts][frame_of]
+    data_frames: list[Any] = [
+        table.buffers[b].slice(lo, hi - lo)
+        for b, lo, hi in zip(buffer_of[starts].tolist(), at[starts].tolist(), (at[ends] + size[ends]).tolist(),
+                             strict=True)
+    ]
     header = msgpack.packb({
         "input": input_index, "attempt": attempt, "seq": seq, "metas": len(meta_frames),
-        "pids": pids.tobytes(), "nrows": nrows.tobytes(), "meta_of": meta_of.tobytes(),
+        "pids": table.pids[ix].tobytes(), "nrows": table.nrows[ix].tobytes(), "meta_of": meta_of.tobytes(),
         "frame_of": frame_of.tobytes(), "offset": offset.tobytes(), "size": size.tobytes(),
     })
     return [header, *meta_frames, *data_frames], int(size.sum())

@@ -232,7 +232,7 @@ class Run(abc.ABC):
         """
 
     @abc.abstractmethod
-    def extract(self, partition_id: int) -> list[PackedData]:
+    def extract(self, partition_id: int) -> Sequence[PackedData]:
         """The pieces of owned output partition ``partition_id``, ordered by input partition.
 
         Raises

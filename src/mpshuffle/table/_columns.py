@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from mpshuffle.memory.packed import PackedData
+from mpshuffle.memory.packed import PackedData, PackedPieces, PieceTable
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
 from mpshuffle.table.hashing import PandasRowHash, owned_partitions
@@ -404,7 +404,7 @@ def pack(
     pool: HostPool | None = None,
     groups: npt.NDArray[Any] | None = None,
     owner: tuple[int, int] | None = None,
-) -> dict[int, PackedData]:
+) -> PackedPieces:
     """Scatter every column once; return one zero-copy piece per non-empty partition.
 
     Parameters
@@ -433,10 +433,11 @@ def pack(
 
     Returns
     -------
-    dict
-        ``{partition_id: PackedData}``; every ``data`` is a slice of its
-        group's buffer, and every ``metadata`` the same object (the schema
-        and column layout, see the module docstring).
+    PackedPieces
+        ``{partition_id: PackedData}`` as arrays (no object per piece until
+        one is looked up): every piece's data is a byte range of its group's
+        buffer, and every piece has the same metadata (the schema and column
+        layout, see the module docstring).
     """
     k = _kernels()
     counts = split.counts
@@ -538,13 +539,12 @@ def pack(
         words = buf[: buf.shape[0] // _WORD * _WORD].view(np.int64)
         at_words = (piece_base[present] // _WORD)[:, None] + np.arange(2 * len(plan))[None, :]
         words[at_words] = rel.reshape(len(present), 2 * len(plan))
-    pieces: dict[int, PackedData] = {}
-    bases = (piece_base - np.asarray(group_offsets, np.int64)[group]).tolist()
-    sizes_l, counts_l, group_l = piece_size.tolist(), counts.tolist(), group.tolist()
-    for q in present.tolist():
-        g = group_l[q]
-        pieces[q] = PackedData(common, group_buffers[g].slice(bases[q], sizes_l[q]), counts_l[q])
-    return pieces
+    bases = piece_base - np.asarray(group_offsets, np.int64)[group]
+    return PackedPieces(PieceTable._unchecked(
+        present.astype(np.int64), counts[present].astype(np.int64), np.zeros(len(present), np.int32), [common],
+        group[present].astype(np.int32), bases[present].astype(np.int64), piece_size[present].astype(np.int64),
+        list(group_buffers),
+    ))
 
 
 #: At most this many groups hold the pieces a rank keeps (see :func:`owner_groups`).
@@ -729,7 +729,8 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     The pieces may come from different inserts (their metadata differ, e.g.
     one has a validity bitmap where another has none) as long as their
     schemas have the same field types; every column must have a raw layout
-    (no ``"arrow"`` or ``"pickle"`` column). Nothing is built per piece: the
+    (no ``"arrow"`` or ``"pickle"`` column). Nothing is built per piece (a
+    :class:`~mpshuffle.memory.packed.PieceTable` gives its arrays as they are): the
     kernels read each piece's buffers where they lie, by address, into one
     new buffer per column buffer, so the cost is the bytes plus a few
     operations per piece.
@@ -750,15 +751,23 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     if not pieces:
         return None
     n = len(pieces)
-    metadata = [p.metadata for p in pieces]
-    metas = dict.fromkeys(metadata)  # distinct, in order (bytes hash once)
-    if len(metas) == 1:
-        which = np.zeros(n, np.int64)
-    else:
+    if isinstance(pieces, PieceTable):
+        # The arrays are there: nothing per piece.
+        metas = dict.fromkeys(pieces.metas)
         number = {m: k for k, m in enumerate(metas)}
-        which = np.fromiter((number[m] for m in metadata), np.int64, n)
-    address = np.fromiter((_address(p.data) for p in pieces), np.uint64, n)
-    nrows = np.fromiter((p.nrows for p in pieces), np.int64, n)
+        which = np.array([number[m] for m in pieces.metas], np.int64)[pieces.meta_of]
+        address = pieces.address
+        nrows = pieces.nrows
+    else:
+        metadata = [p.metadata for p in pieces]
+        metas = dict.fromkeys(metadata)  # distinct, in order (bytes hash once)
+        if len(metas) == 1:
+            which = np.zeros(n, np.int64)
+        else:
+            number = {m: k for k, m in enumerate(metas)}
+            which = np.fromiter((number[m] for m in metadata), np.int64, n)
+        address = np.fromiter((_address(p.data) for p in pieces), np.uint64, n)
+        nrows = np.fromiter((p.nrows for p in pieces), np.int64, n)
     parsed = [_split_metadata(m) for m in metas]
     desc0, schema0 = parsed[0]
     if schema0 is None:

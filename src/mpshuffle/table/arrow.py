@@ -10,14 +10,14 @@ values), then the pieces are concatenated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.memory.packed import PackedData
+from mpshuffle.memory.packed import PackedData, distinct_metadata
 from mpshuffle.table._columns import (
     arrow_columns,
     gather,
@@ -85,7 +85,7 @@ class ArrowAdapter(FrameAdapter):
         on: Sequence[Any],
         npartitions: int,
         ids: npt.NDArray[np.int64] | None = None,
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         """Split by hash of ``on``: one hash pass, one scatter of each column (see ``_columns``).
 
         Returns
@@ -110,7 +110,7 @@ class ArrowAdapter(FrameAdapter):
         rank: int = 0,
         nranks: int = 1,
         pool: HostPool | None = None,
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         """:meth:`split`, the pieces' memory from ``pool``, kept and sent pieces apart.
 
         See :meth:`~mpshuffle.table.FrameAdapter.split_for`.
@@ -147,7 +147,7 @@ class ArrowAdapter(FrameAdapter):
         schema = _schema(meta)
         if not pieces:
             return self.empty_like(meta)
-        gathered = gather(pieces) if all(is_cols(m) for m in dict.fromkeys(p.metadata for p in pieces)) else None
+        gathered = gather(pieces) if all(is_cols(m) for m in distinct_metadata(pieces)) else None
         if gathered is not None:
             # One table of all pieces (same field names and types).
             table = gathered[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -85,7 +85,7 @@ class FrameAdapter(ABC):
         on: Sequence[Any],
         npartitions: int,
         ids: npt.NDArray[np.int64] | None = None,
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         """Split ``frame`` by hash of ``on`` into packed pieces.
 
         ``ids``, when given, are the rows' output partition ids (``int64``,
@@ -94,9 +94,11 @@ class FrameAdapter(ABC):
 
         Returns
         -------
-        dict
-            ``{partition_id: PackedData}`` of the non-empty pieces only; the
-            rows of each piece keep their original relative order.
+        Mapping
+            ``{partition_id: PackedData}`` of the non-empty pieces only (a
+            ``dict``, or :class:`~mpshuffle.memory.packed.PackedPieces` where
+            the pieces are arrays); the rows of each piece keep their
+            original relative order.
 
         Raises
         ------
@@ -115,7 +117,7 @@ class FrameAdapter(ABC):
         rank: int = 0,
         nranks: int = 1,
         pool: HostPool | None = None,
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         """:meth:`split` on rank ``rank`` of ``nranks``, with memory from ``pool``.
 
         An adapter that can place its pieces in pooled memory overrides this,

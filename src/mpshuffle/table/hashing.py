@@ -308,6 +308,34 @@ def partition_owner(partition_id: int, nranks: int) -> int:
     return int(partition_id) % int(nranks)
 
 
+def partition_owners(partition_ids: npt.ArrayLike, nranks: int) -> npt.NDArray[np.int64]:
+    """:func:`partition_owner` of every id of an array, at once.
+
+    Parameters
+    ----------
+    partition_ids
+        Output partition ids, ``>= 0`` (any shape).
+    nranks
+        Number of ranks, ``>= 1``.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``int64``, the shape of ``partition_ids``: each id's rank.
+
+    Raises
+    ------
+    ValueError
+        If an id is negative or ``nranks < 1``.
+    """
+    if nranks < 1:
+        raise ValueError(f"nranks must be >= 1, got {nranks}")
+    ids = np.asarray(partition_ids, np.int64)
+    if ids.size and int(ids.min()) < 0:
+        raise ValueError(f"partition_id must be >= 0, got {int(ids.min())}")
+    return ids % np.int64(nranks)
+
+
 def owned_partitions(rank: int, nranks: int, npartitions: int) -> range:
     """The output partitions rank ``rank`` owns: those with ``partition_owner(p, nranks) == rank``.
 

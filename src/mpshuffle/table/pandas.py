@@ -29,7 +29,7 @@ unique, also after ``str``.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -37,7 +37,7 @@ import pandas as pd
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.memory.packed import PackedData
+from mpshuffle.memory.packed import PackedData, distinct_metadata
 from mpshuffle.table._columns import (
     Column,
     gather,
@@ -234,7 +234,7 @@ class PandasAdapter(FrameAdapter):
         on: Sequence[Any],
         npartitions: int,
         ids: npt.NDArray[np.int64] | PandasRowHash | None = None,
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         """Split by hash of ``on`` into packed pieces (see the module docstring).
 
         Returns
@@ -263,7 +263,7 @@ class PandasAdapter(FrameAdapter):
         rank: int = 0,
         nranks: int = 1,
         pool: HostPool | None = None,
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         """:meth:`split`, the pieces' memory from ``pool``, kept and sent pieces apart.
 
         See :meth:`~mpshuffle.table.FrameAdapter.split_for`. ``ids`` may also
@@ -331,7 +331,7 @@ class PandasAdapter(FrameAdapter):
 
     def _split_pickle(
         self, frame: pd.DataFrame, ids: npt.NDArray[np.int64]
-    ) -> dict[int, PackedData]:
+    ) -> Mapping[int, PackedData]:
         order, runs = split_by_ids(ids)
         if order is not None:
             frame = frame.take(order)
@@ -363,7 +363,7 @@ class PandasAdapter(FrameAdapter):
         """
         if not pieces:
             return self.empty_like(meta)
-        if all(is_cols(m) for m in dict.fromkeys(p.metadata for p in pieces)):
+        if all(is_cols(m) for m in distinct_metadata(pieces)):
             return reconcile(self._unpack_cols(pieces, meta), meta, on_lossy_cast)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
