@@ -34,7 +34,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from mpshuffle.errors import SpillError
-from mpshuffle.memory.packed import PackedData, PieceTable, _buffer_size
+from mpshuffle.memory.packed import PackedData, PieceTable
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 from mpshuffle.memory.store import DiskTier, admits
@@ -118,22 +118,10 @@ class Chunk:
         pieces: Sequence[tuple[int, PackedData]],
     ) -> Chunk:
         """A chunk of ``(partition id, piece)`` pairs, each piece's data a frame of its own."""
-        metas: dict[int, int] = {}
-        meta_list: list[bytes] = []
-        for _, p in pieces:
-            if id(p.metadata) not in metas:
-                metas[id(p.metadata)] = len(meta_list)
-                meta_list.append(p.metadata)
-        n = len(pieces)
+        t = PieceTable.of_pieces([p for _, p in pieces], [pid for pid, _ in pieces])
         return cls(
-            input_index, attempt, src, seq,
-            pids=np.array([pid for pid, _ in pieces], np.int64),
-            nrows=np.array([p.nrows for _, p in pieces], np.int64),
-            meta_of=np.array([metas[id(p.metadata)] for _, p in pieces], np.int32),
-            frame_of=np.arange(n, dtype=np.int32),
-            offset=np.zeros(n, np.int64),
-            size=np.array([_buffer_size(p.data) for _, p in pieces], np.int64),
-            metas=meta_list, frames=[p.data for _, p in pieces],
+            input_index, attempt, src, seq, pids=t.pids, nrows=t.nrows, meta_of=t.meta_of,
+            frame_of=t.buffer_of, offset=t.offset, size=t.size, metas=t.metas, frames=t.buffers,
         )
 
     def order(self) -> tuple[int, str, int, int]:
