@@ -580,3 +580,59 @@ def test_a_partitioner_returning_bad_ids_fails_naming_it(bad: Any, match: str) -
     graph["in"] = frame
     with pytest.raises(ShuffleError, match=rf"the partitioner .* returned bad ids: .*{match}"):
         dask_get(graph, keys)  # the synchronous scheduler: the local runtime
+
+
+def _spec_of_graph(partitioner: Any = None) -> Any:
+    from mpshuffle.dask.graph import shuffle_graph
+
+    meta = _pdf().iloc[:0]
+    graph, keys = shuffle_graph([("in", i) for i in range(3)], on=["k"], npartitions=4, meta=meta,
+                                partitioner=partitioner)
+    return graph[keys[0]][3]  # (extract, barrier, j, spec)
+
+
+@pytest.mark.parametrize("partitioner", [None, "lambda"])
+def test_spec_pickles_its_fields_once_and_unpickles_to_one_object(partitioner: Any) -> None:
+    import pickle
+
+    import cloudpickle
+
+    from mpshuffle.dask import graph as graph_module
+
+    def by_k(frame: pd.DataFrame) -> np.ndarray:
+        return frame["k"].to_numpy() % 4
+
+    spec = _spec_of_graph(by_k if partitioner == "lambda" else None)
+    # A partitioner local to this function needs cloudpickle, as Dask's pickling falls back to it.
+    blob = cloudpickle.dumps(spec) if partitioner else pickle.dumps(spec)
+    assert spec.__dict__["_pickled"] is not None
+    graph_module._UNPICKLED.clear()
+    first, second = pickle.loads(blob), pickle.loads(blob)
+    assert first is second  # the tasks of one shuffle share one spec in a worker
+    for field in ("token", "on", "npartitions", "insert_name", "barrier_name", "extract_name",
+                  "keep_index", "device", "on_lossy_cast", "options", "select"):
+        assert getattr(first, field) == getattr(spec, field)
+    pd.testing.assert_frame_equal(first.meta, spec.meta)
+    frame = _pdf()
+    if partitioner:
+        np.testing.assert_array_equal(first.partitioner(frame), by_k(frame))
+    else:
+        assert first.partitioner is None
+    # Pickled again (a worker handing the task on), it gives the same bytes.
+    assert pickle.dumps(first) == pickle.dumps(spec)
+
+
+def test_unpickled_specs_are_bounded() -> None:
+    import pickle
+
+    from mpshuffle.dask import graph as graph_module
+
+    graph_module._UNPICKLED.clear()
+    meta = _pdf().iloc[:0]
+    from mpshuffle.dask.graph import shuffle_graph
+
+    for n in range(graph_module._UNPICKLED_MAX + 5):
+        graph, keys = shuffle_graph([("in", 0)], on=["k"], npartitions=n + 1, meta=meta)
+        spec = graph[keys[0]][3]
+        assert pickle.loads(pickle.dumps(spec)).npartitions == n + 1
+    assert len(graph_module._UNPICKLED) == graph_module._UNPICKLED_MAX

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import pickle
+import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
+import cloudpickle
 import numpy as np
 from dask.base import tokenize
 
@@ -106,6 +109,43 @@ class ShuffleSpec:
         # Every task carries the spec; its token already names the shuffle.
         # Without this, tokenizing the graph normalizes the meta once per task.
         return ("mpshuffle.ShuffleSpec", self.token, self.insert_name, self.extract_name)
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Every task carries the spec, and the scheduler pickles each task it
+        # sends (and the worker unpickles it): pickling the meta, options and
+        # partitioner anew took ~0.3 ms a task, ~1.2 s of scheduler CPU for a
+        # 2000 -> 2000 shuffle. The fields are pickled once per spec, and a
+        # worker unpickles each distinct spec once (see _spec_of).
+        blob = self.__dict__.get("_pickled")
+        if blob is None:
+            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+            try:
+                blob = pickle.dumps(fields, protocol=5)
+            except (pickle.PicklingError, AttributeError, TypeError):
+                blob = cloudpickle.dumps(fields, protocol=5)  # e.g. a partitioner defined in __main__
+            object.__setattr__(self, "_pickled", blob)
+        return (_spec_of, (blob,))
+
+
+# Specs unpickled in this process, by their pickled fields: the tasks of one
+# shuffle share one spec object. Bounded: a long-lived worker sees many shuffles.
+_UNPICKLED: dict[bytes, ShuffleSpec] = {}
+_UNPICKLED_LOCK = threading.Lock()
+_UNPICKLED_MAX = 64
+
+
+def _spec_of(blob: bytes) -> ShuffleSpec:
+    """The :class:`ShuffleSpec` whose fields pickle to ``blob`` (its ``__reduce__``), unpickled once per process."""
+    spec = _UNPICKLED.get(blob)
+    if spec is not None:
+        return spec
+    spec = ShuffleSpec(*pickle.loads(blob))
+    object.__setattr__(spec, "_pickled", blob)
+    with _UNPICKLED_LOCK:
+        while len(_UNPICKLED) >= _UNPICKLED_MAX:
+            del _UNPICKLED[next(iter(_UNPICKLED))]
+        _UNPICKLED[blob] = spec
+    return spec
 
 
 def check_npartitions(npartitions: Any) -> int:
