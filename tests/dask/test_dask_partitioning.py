@@ -127,6 +127,22 @@ def test_key_named_like_the_index() -> None:
     np.testing.assert_array_equal(_ours(frame, ["ix", "a"], 13), _dask_ids(frame, ["ix", "a"], 13))
 
 
+@pytest.mark.parametrize(
+    "columns, keys",
+    [(["a", "b"], ["b", "a"]), (["a", "b"], ["a", "a"]), ([0, 1], [1]), ([("t", 1), "b"], [("t", 1)]),
+     (["a", "ix"], ["ix"])],
+    ids=["reordered", "key twice", "int labels", "tuple label", "column named like the index"],
+)
+def test_key_columns_are_dasks_selection(columns: list[Any], keys: list[Any]) -> None:
+    # Plain string keys read the frame's columns directly; any other label goes through Dask's selection.
+    frame = pd.DataFrame(
+        {c: COLUMNS[n] for c, n in zip(columns, ["int64", "str"], strict=True)},
+        index=pd.Index(COLUMNS["float64"], name="ix"),
+    )
+    for npartitions in (3, 50):
+        np.testing.assert_array_equal(_ours(frame, keys, npartitions), _dask_ids(frame, keys, npartitions))
+
+
 def test_meta_decides_the_cast_as_in_dask() -> None:
     # The meta says object, the partition holds integers: Dask does not cast them.
     frame = pd.DataFrame({"k": COLUMNS["int64"]})

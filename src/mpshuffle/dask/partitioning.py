@@ -59,6 +59,20 @@ def _key_frame(frame: pd.DataFrame, keys: Sequence[Any], index_shuffle: bool) ->
     return _select_columns_or_index(frame, list(keys))  # type: ignore[no-any-return]
 
 
+def _key_columns(frame: pd.DataFrame, keys: Sequence[Any], index_shuffle: bool) -> list[pd.Series]:
+    """The key columns Dask hashes, as in :func:`_key_frame`, without copying them into a frame.
+
+    Where every key is a string naming one column of ``frame`` (Dask's
+    selection is then ``frame[keys]``, no index level), the columns
+    themselves: the selected frame was a copy of the keys for every insert.
+    """
+    columns = frame.columns
+    if not index_shuffle and columns.is_unique and all(isinstance(k, str) and k in columns for k in keys):
+        return [frame[k] for k in keys]
+    selected = _key_frame(frame, keys, index_shuffle)
+    return [selected.iloc[:, j] for j in range(selected.shape[1])]
+
+
 def _numeric_cast(dtype: Any) -> bool:
     """Whether Dask casts a key column of this (meta) dtype to ``float64`` before hashing."""
     from dask.dataframe.dask_expr._shuffle import _is_numeric_cast_type
@@ -116,13 +130,12 @@ class DaskPartitioning:
     def __call__(self, frame: Any) -> PandasRowHash | np.ndarray:
         if not isinstance(frame, pd.DataFrame):
             return self.dask_ids(frame)
-        keys = _key_frame(frame, self.keys, self.index_shuffle)
-        if keys.shape[1] == 0 or keys.shape[1] != len(self.to_float):
+        keys = _key_columns(frame, self.keys, self.index_shuffle)
+        if not keys or len(keys) != len(self.to_float):
             return self.dask_ids(frame)
         columns: list[np.ndarray] = []
         given: list[bool] = []
-        for j, cast in enumerate(self.to_float):
-            column = keys.iloc[:, j]
+        for column, cast in zip(keys, self.to_float, strict=True):
             if cast and _kernel_numbers(column.dtype):
                 columns.append(column.to_numpy())
                 given.append(False)
