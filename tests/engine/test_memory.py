@@ -266,6 +266,37 @@ def test_chunk_of_many_pieces_in_one_frame_pops_each_partition_in_order(tmp_path
     box.clear()
 
 
+def test_pop_asks_keep_once_per_chunk_even_as_a_bound_method(tmp_path: Any) -> None:
+    """A run passes its bound method: a new object at every access, still one question per chunk."""
+    box = Postbox(BufferResource({MemoryType.HOST: 1 << 20}, spill_dir=str(tmp_path)), "keep")
+    nparts, asked = 5, []
+
+    class Run:
+        def keep(self, order: tuple[Any, ...]) -> bool:
+            asked.append(order)
+            return order[1] == "a"
+
+    run = Run()
+    for input_index in range(4):
+        for attempt in ("a", "b"):
+            data = np.arange(nparts, dtype=np.int64) + 100 * input_index
+            box.add_chunk(Chunk(
+                input_index, attempt, 0, 0, pids=np.arange(nparts), nrows=np.ones(nparts, np.int64),
+                meta_of=np.zeros(nparts, np.int32), frame_of=np.zeros(nparts, np.int32),
+                offset=np.arange(nparts) * 8, size=np.full(nparts, 8), metas=[b"m"], frames=[data.tobytes()],
+            ))
+    for p in range(nparts - 1):
+        got = box.pop(p, keep=run.keep)
+        assert [int(np.frombuffer(g.data, np.int64)[0]) for g in got] == [p + 100 * i for i in range(4)]
+    assert sorted(asked) == sorted((i, a, 0, 0) for i in range(4) for a in ("a", "b"))  # once each
+    asked.clear()
+    got = box.pop(nparts - 1, keep=lambda order: asked.append(order) or order[1] == "b")
+    assert [int(np.frombuffer(g.data, np.int64)[0]) for g in got] == [nparts - 1 + 100 * i for i in range(4)]
+    assert len(asked) == 8  # another function: asked again
+    assert box.nbytes == 0
+    box.clear()
+
+
 def test_chunk_with_bad_arrays_is_refused() -> None:
     ok = {"pids": np.array([0, 1]), "nrows": np.array([1, 1]), "meta_of": np.zeros(2, np.int32),
           "frame_of": np.zeros(2, np.int32), "offset": np.array([0, 8]), "size": np.array([8, 8])}
