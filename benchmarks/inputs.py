@@ -21,3 +21,13 @@ def make_partition(i: int, rows: int) -> pd.DataFrame:
     """
     rng = np.random.default_rng(i)
     return pd.DataFrame({"key": rng.integers(0, 2**40, rows), "v": rng.random(rows)})
+
+
+def placeholder(_: object, i: int) -> int:
+    """A task that does nothing but return ``i`` (partitions_bench's floor graph)."""
+    return i
+
+
+def placeholder_barrier(*inserted: object) -> int:
+    """A task that waits for all of ``inserted`` and returns how many there were."""
+    return len(inserted)

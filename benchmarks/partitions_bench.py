@@ -9,7 +9,9 @@ code, only the method switched::
     dask.config.set({"dataframe.shuffle.method": method})
     df.shuffle("key")
 
-on one LocalCluster (``--workers`` x 1 thread). Per run: seconds from
+on one LocalCluster (``--workers`` x 1 thread); method ``floor`` is Dask's
+own cost for a graph of that shape doing nothing (see :func:`_floor_graph`).
+Per run: seconds from
 submitting until the output is persisted, the peak of the cluster's memory
 (the largest sum over the workers of one RSS sample, every 20 ms; also
 less their sum before the run, which favours a method that runs after
@@ -49,9 +51,10 @@ import mpshuffle
 import mpshuffle.dask
 
 try:  # run as a script (benchmarks/ on the path) or as benchmarks.partitions_bench
-    from inputs import make_partition
+    import inputs
 except ImportError:
-    from benchmarks.inputs import make_partition
+    from benchmarks import inputs
+make_partition = inputs.make_partition
 
 
 class _Sampler:
@@ -96,12 +99,52 @@ def _cpu(pids: list[int]) -> float:
     return total
 
 
+def _floor_graph(n: int, rows: int) -> tuple[dict[Any, Any], list[Any]]:
+    """Dask's floor for a shuffle of ``n -> n``: the same shape of graph, moving no data.
+
+    ``n`` input tasks (the same partitions), one task after each (the
+    insert's place), one barrier task depending on those, ``n`` output
+    tasks depending on the barrier: ``3 n + 1`` tasks, as mpshuffle's and
+    P2P's graphs have. What it costs is what the scheduler and the workers
+    spend on the tasks themselves, whatever a shuffle does in them.
+    """
+    graph: dict[Any, Any] = {}
+    for i in range(n):
+        graph[("floor-input", i)] = (make_partition, i, rows)
+        graph[("floor-insert", i)] = (inputs.placeholder, ("floor-input", i), i)
+    graph["floor-barrier"] = (inputs.placeholder_barrier, *[("floor-insert", i) for i in range(n)])
+    keys = [("floor-output", j) for j in range(n)]
+    for j, key in enumerate(keys):
+        graph[key] = (inputs.placeholder, "floor-barrier", j)
+    return graph, keys
+
+
 def run_once(client: Client, method: str, n: int, rows: int) -> dict[str, Any]:
-    """One ``n -> n`` shuffle with ``method``; its figures."""
+    """One ``n -> n`` shuffle with ``method`` (or ``floor``, see :func:`_floor_graph`); its figures."""
     pids = list(client.run(os.getpid).values())
     client.run(__import__("gc").collect)
     time.sleep(0.5)
     idle = _rss(pids)
+    if method == "floor":
+        t0 = time.perf_counter()
+        graph, keys = _floor_graph(n, rows)
+        graph_seconds = time.perf_counter() - t0
+        cpu0, main0 = _cpu(pids), time.process_time()
+        with _Sampler(pids) as sampler:
+            t1 = time.perf_counter()
+            futures = client.get(graph, keys, sync=False)
+            wait(futures)
+            seconds = time.perf_counter() - t1
+        cpu1, main1 = _cpu(pids), time.process_time()
+        if sorted(client.gather(futures)) != list(range(n)):
+            raise AssertionError(f"floor at {n}: wrong outputs")
+        del futures
+        return {
+            "method": method, "partitions": n, "rows_per_partition": rows, "seconds": seconds,
+            "graph_seconds": graph_seconds, "graph_tasks": len(graph),
+            "peak_bytes": sampler.peak - idle, "peak_rss_bytes": sampler.peak, "idle_rss_bytes": idle,
+            "worker_cpu_seconds": cpu1 - cpu0, "client_scheduler_cpu_seconds": main1 - main0,
+        }
     with dask.config.set({"dataframe.shuffle.method": method}):
         t0 = time.perf_counter()
         df = dd.from_map(make_partition, range(n), rows=rows)
@@ -140,7 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[500, 1000, 2000, 5000, 10000])
     parser.add_argument("--rows", type=int, default=500)
-    parser.add_argument("--methods", nargs="+", default=["mpshuffle", "p2p", "tasks"])
+    parser.add_argument("--methods", nargs="+", default=["mpshuffle", "p2p", "tasks", "floor"])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--memory-limit", default="8GiB")
     parser.add_argument("--max-seconds", type=float, default=150.0)
