@@ -651,3 +651,41 @@ def test_gather_of_many_inserts_equals_reading_piece_by_piece(index: bool) -> No
 
 def _ids(adapter: PandasAdapter, frame: pd.DataFrame, npart: int) -> Any:
     return adapter.partition_ids(frame, ["k"], npart)
+
+
+def _schema_zoo() -> list[pd.DataFrame]:
+    n = 6
+    base = {
+        "i": np.arange(n), "f": np.linspace(0, 1, n), "b": np.arange(n) % 2 == 0,
+        "cat": pd.Categorical(["a", "b", "a", "c", "b", "a"]),
+        "ts": pd.date_range("2026-01-01", periods=n, tz="Europe/Berlin"),
+        "s": pd.array([f"x{i}" for i in range(n)], dtype="str"),
+        "I": pd.array([1, None, 3, 4, None, 6], dtype="Int64"),
+    }
+    frames = [pd.DataFrame(base), pd.DataFrame(base, index=pd.Index(np.arange(n) * 3, name="ix"))]
+    other = pd.DataFrame({**base, "cat": pd.Categorical(["a", "b", "a", "c", "b", "z"], ordered=True)})
+    frames.append(other)
+    renamed = pd.DataFrame(base)
+    renamed.columns = pd.Index(list(renamed.columns), name="cols")
+    frames.append(renamed)
+    frames.append(pd.DataFrame({0: np.arange(n), 1: np.arange(n) * 0.5}))
+    frames.append(pd.DataFrame({"i": np.arange(n)}, index=pd.MultiIndex.from_arrays(
+        [np.arange(n), np.arange(n) * 0.5], names=["a", "b"])))
+    frames.append(pd.DataFrame({"o": np.array(["a", "b", None, "c", "d", "e"], dtype=object)}))
+    frames.append(pd.DataFrame({"o": np.array([1, 2, None, 3, 4, 5], dtype=object)}))  # same dtypes, other type
+    return frames
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_remembered_schema_is_arrows_schema_of_each_frame(index: bool) -> None:
+    from mpshuffle.table import pandas as pandas_module
+
+    pandas_module._SCHEMAS.clear()
+    for _ in range(2):  # the second pass reads the remembered schemas
+        for frame in _schema_zoo():
+            got = pandas_module._schema_of(frame, index)
+            want = pa.Schema.from_pandas(frame, preserve_index=index)
+            assert got.equals(want, check_metadata=True), (frame.dtypes, got, want)
+    # Frames that differ only where Arrow infers from values (object columns) are never remembered.
+    assert not any(object in key[5] for key in pandas_module._SCHEMAS)
+    assert len(pandas_module._SCHEMAS) <= pandas_module._SCHEMAS_MAX

@@ -106,6 +106,40 @@ def _object_type_round_trips(t: pa.DataType) -> bool:
     return any(ok(t) for ok in _OBJECT_SAFE)
 
 
+# Arrow schemas of frames by what decides them (see _schema_of), bounded.
+_SCHEMAS: dict[Any, pa.Schema] = {}
+_SCHEMAS_MAX = 256
+
+
+def _schema_of(frame: pd.DataFrame, index: bool) -> pa.Schema:
+    """``pa.Schema.from_pandas(frame, preserve_index=index)``, remembered by the frame's labels and dtypes.
+
+    The schema and its pandas metadata follow from the column labels, their
+    dtypes and the labels' own index, and (with ``index``) the index's
+    type, names and dtypes; every insert of a shuffle has the same ones, and
+    building the schema took ~0.27 ms an insert. A frame with an ``object``
+    column or index is not remembered: Arrow infers those types from the values.
+    """
+    dtypes = tuple(frame.dtypes)
+    ix = frame.index
+    ix_dtypes = tuple(ix.dtypes) if isinstance(ix, pd.MultiIndex) else (ix.dtype,)
+    if any(d == object for d in dtypes) or (index and any(d == object for d in ix_dtypes)):
+        return pa.Schema.from_pandas(frame, preserve_index=index)
+    cols = frame.columns
+    try:
+        key = (index, tuple(cols), type(cols), tuple(cols.names), str(cols.dtype), dtypes,
+               (type(ix), tuple(ix.names), ix_dtypes) if index else None)
+        schema = _SCHEMAS.get(key)
+    except TypeError:  # a label or dtype that does not hash
+        return pa.Schema.from_pandas(frame, preserve_index=index)
+    if schema is None:
+        schema = pa.Schema.from_pandas(frame, preserve_index=index)
+        if len(_SCHEMAS) >= _SCHEMAS_MAX:
+            _SCHEMAS.pop(next(iter(_SCHEMAS)), None)
+        _SCHEMAS[key] = schema
+    return schema
+
+
 def _pickled_positions(frame: pd.DataFrame) -> list[int]:
     """Positions of the columns that must travel pickled (each column decides alone).
 
@@ -289,7 +323,7 @@ class PandasAdapter(FrameAdapter):
         pickled = _pickled_positions(frame)
         kept = frame.iloc[:, [i for i in range(frame.shape[1]) if i not in pickled]] if pickled else frame
         try:
-            schema = pa.Schema.from_pandas(kept, preserve_index=self.index)
+            schema = _schema_of(kept, self.index)
             columns = pandas_columns(kept, self.index, schema)
         except _ARROW_CONVERSION_ERRORS:
             return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
