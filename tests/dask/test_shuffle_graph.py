@@ -606,7 +606,7 @@ def test_spec_pickles_its_fields_once_and_unpickles_to_one_object(partitioner: A
     # A partitioner local to this function needs cloudpickle, as Dask's pickling falls back to it.
     blob = cloudpickle.dumps(spec) if partitioner else pickle.dumps(spec)
     assert spec.__dict__["_pickled"] is not None
-    graph_module._UNPICKLED.clear()
+    graph_module._spec_of.cache_clear()
     first, second = pickle.loads(blob), pickle.loads(blob)
     assert first is second  # the tasks of one shuffle share one spec in a worker
     for field in ("token", "on", "npartitions", "insert_name", "barrier_name", "extract_name",
@@ -627,12 +627,13 @@ def test_unpickled_specs_are_bounded() -> None:
 
     from mpshuffle.dask import graph as graph_module
 
-    graph_module._UNPICKLED.clear()
+    graph_module._spec_of.cache_clear()
     meta = _pdf().iloc[:0]
     from mpshuffle.dask.graph import shuffle_graph
 
-    for n in range(graph_module._UNPICKLED_MAX + 5):
+    bound = graph_module._spec_of.cache_info().maxsize
+    for n in range(bound + 5):
         graph, keys = shuffle_graph([("in", 0)], on=["k"], npartitions=n + 1, meta=meta)
         spec = graph[keys[0]][3]
         assert pickle.loads(pickle.dumps(spec)).npartitions == n + 1
-    assert len(graph_module._UNPICKLED) == graph_module._UNPICKLED_MAX
+    assert graph_module._spec_of.cache_info().currsize == bound

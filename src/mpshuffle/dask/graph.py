@@ -17,9 +17,9 @@ state) and is refused with a clear error.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import pickle
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -127,24 +127,14 @@ class ShuffleSpec:
         return (_spec_of, (blob,))
 
 
-# Specs unpickled in this process, by their pickled fields: the tasks of one
-# shuffle share one spec object. Bounded: a long-lived worker sees many shuffles.
-_UNPICKLED: dict[bytes, ShuffleSpec] = {}
-_UNPICKLED_LOCK = threading.Lock()
-_UNPICKLED_MAX = 64
-
-
+@functools.lru_cache(maxsize=64)  # bounded: a long-lived worker sees many shuffles
 def _spec_of(blob: bytes) -> ShuffleSpec:
-    """The :class:`ShuffleSpec` whose fields pickle to ``blob`` (its ``__reduce__``), unpickled once per process."""
-    spec = _UNPICKLED.get(blob)
-    if spec is not None:
-        return spec
+    """The :class:`ShuffleSpec` whose fields pickle to ``blob`` (its ``__reduce__``), unpickled once per process.
+
+    The tasks of one shuffle then share one spec object in a worker.
+    """
     spec = ShuffleSpec(*pickle.loads(blob))
     object.__setattr__(spec, "_pickled", blob)
-    with _UNPICKLED_LOCK:
-        while len(_UNPICKLED) >= _UNPICKLED_MAX:
-            del _UNPICKLED[next(iter(_UNPICKLED))]
-        _UNPICKLED[blob] = spec
     return spec
 
 

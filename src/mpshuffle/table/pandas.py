@@ -135,7 +135,7 @@ def _schema_of(frame: pd.DataFrame, index: bool) -> pa.Schema:
     if schema is None:
         schema = pa.Schema.from_pandas(frame, preserve_index=index)
         if len(_SCHEMAS) >= _SCHEMAS_MAX:
-            _SCHEMAS.pop(next(iter(_SCHEMAS)), None)
+            _SCHEMAS.clear()  # not an eviction loop: inserts of other threads may be filling it too
         _SCHEMAS[key] = schema
     return schema
 
