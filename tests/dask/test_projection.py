@@ -143,7 +143,7 @@ def test_projection_keeps_its_partitions_column_when_asked() -> None:
     with dask.config.set({"dataframe.shuffle.method": "mpshuffle"}):
         expr = df.shuffle("k", npartitions=4).expr.lower_completely()
     shuffle = next(e for e in expr.walk() if isinstance(e, MPShuffle))
-    narrowed = shuffle.substitute_parameters({"output_columns": ["v", "_partitions"]})
+    narrowed = shuffle.with_output_columns(["v", "_partitions"])
     with dask.config.set(scheduler="sync"):
         parts = [new_collection(narrowed).partitions[j].compute() for j in range(4)]
     assert sum(map(len, parts)) == 1200

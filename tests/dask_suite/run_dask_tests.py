@@ -92,9 +92,14 @@ def _key_name(key):
 class _CountMPShuffleTasks(_Callback):
     def _pretask(self, key, dsk, state):
         name = _key_name(key)
-        if isinstance(name, str) and name.startswith("mpshuffle") and _CURRENT[0] is not None:
+        if not isinstance(name, str) or _CURRENT[0] is None:
+            return
+        # An insert that Dask fused into its input's task is named by Dask's
+        # rule, "<input>-mpshuffle-<token>" (MPInsert's docstring).
+        fused = "-mpshuffle-" in name and not name.startswith("mpshuffle")
+        if name.startswith("mpshuffle") or fused:
             _RESULTS[_CURRENT[0]]["mpshuffle_tasks"] += 1
-            if "-insert-" in name:
+            if "-insert-" in name or fused:
                 _RESULTS[_CURRENT[0]]["mpshuffle_inserts"] += 1
 
 

@@ -42,7 +42,7 @@ from mpshuffle.table.device import DeviceTable
 from mpshuffle.table.gpu import register_device_adapter
 from mpshuffle.table.hashing import PandasRowHash
 
-__all__ = ["ShuffleSpec", "shuffle_graph"]
+__all__ = ["ShuffleSpec", "output_tasks", "shuffle_graph", "shuffle_spec"]
 
 _LOCAL = LocalRuntime()
 
@@ -243,6 +243,54 @@ def shuffle_graph(
     ``partition_owner(j, nranks)``; rows within it are ordered by input
     partition, then by position in that partition.
     """
+    input_keys = list(input_keys)
+    spec = shuffle_spec(
+        on=on, npartitions=npartitions, meta=meta, keep_index=keep_index, name=name, token=token,
+        partitioner=partitioner, on_lossy_cast=on_lossy_cast, options=options, select=select,
+        input_keys=input_keys,
+    )
+    graph: dict[Any, Any] = {}
+    insert_keys = []
+    for i, key in enumerate(input_keys):
+        k = (spec.insert_name, i)
+        graph[k] = (insert, key, i, spec)
+        insert_keys.append(k)
+    tasks, out = output_tasks(spec, insert_keys)
+    graph.update(tasks)
+    return graph, out
+
+
+def shuffle_spec(
+    *,
+    on: Sequence[Any],
+    npartitions: int,
+    meta: Any,
+    keep_index: bool = False,
+    name: str = "mpshuffle",
+    token: str | None = None,
+    partitioner: Any = None,
+    on_lossy_cast: str = "raise",
+    options: Options | None = None,
+    select: Sequence[Any] | None = None,
+    input_keys: Sequence[Any] = (),
+) -> ShuffleSpec:
+    """The :class:`ShuffleSpec` that every task of one shuffle carries, its arguments checked.
+
+    Parameters are :func:`shuffle_graph`'s; ``input_keys`` only enters the
+    default token (a ``token`` given is used as it is, so it must already
+    tell apart shuffles that differ in any of these arguments).
+
+    Returns
+    -------
+    ShuffleSpec
+        With key names ``name-insert-token``, ``name-barrier-token`` and
+        ``name-extract-token``.
+
+    Raises
+    ------
+    ValueError, TypeError, mpshuffle.errors.OptionError
+        As :func:`shuffle_graph`.
+    """
     on = tuple(on)
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
@@ -269,11 +317,10 @@ def shuffle_graph(
                 "(keep_index=False)"
             )
     get_adapter(meta)  # raises TypeError for unsupported frame types
-    input_keys = list(input_keys)
     token = token or tokenize(
-        input_keys, on, npartitions, keep_index, name, partitioner, options.as_dict(), select
+        list(input_keys), on, npartitions, keep_index, name, partitioner, options.as_dict(), select
     )
-    spec = ShuffleSpec(
+    return ShuffleSpec(
         token=token,
         on=on,
         npartitions=npartitions,
@@ -288,16 +335,34 @@ def shuffle_graph(
         options=options,
         select=select,
     )
-    graph: dict[Any, Any] = {}
-    insert_keys = []
-    for i, key in enumerate(input_keys):
-        k = (spec.insert_name, i)
-        graph[k] = (insert, key, i, spec)
-        insert_keys.append(k)
-    graph[spec.barrier_name] = (barrier, spec, *insert_keys)
+
+
+def output_tasks(
+    spec: ShuffleSpec, insert_keys: Sequence[Any], extract_name: str | None = None
+) -> tuple[dict[Any, Any], list[Any]]:
+    """The barrier and extract tasks of ``spec``'s shuffle, after the insert tasks ``insert_keys``.
+
+    ``insert_keys`` are the keys of tasks that each return an
+    :class:`Inserted` (:func:`insert`'s result), in any order; a key may
+    name a task that computes its input partition and inserts it in one go
+    (Dask's blockwise fusion of the insert into its input's task).
+    ``extract_name`` names the extract tasks (by default
+    ``spec.extract_name``; the scheduler plugin finds them as the barrier's
+    dependents, whatever their name).
+
+    Returns
+    -------
+    graph : dict
+        The barrier ``spec.barrier_name`` and the extracts
+        ``(spec.extract_name, j)``.
+    keys : list
+        The output keys, ``j`` in ``range(spec.npartitions)``.
+    """
+    graph: dict[Any, Any] = {spec.barrier_name: (barrier, spec, *insert_keys)}
     out = []
-    for j in range(npartitions):
-        k = (spec.extract_name, j)
+    name = spec.extract_name if extract_name is None else extract_name
+    for j in range(spec.npartitions):
+        k = (name, j)
         graph[k] = (extract, spec.barrier_name, j, spec)
         out.append(k)
     return graph, out

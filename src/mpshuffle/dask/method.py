@@ -46,7 +46,7 @@ versions; it never falls back to another method silently.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import dask
 import numpy as np
@@ -58,6 +58,7 @@ import numpy as np
 # dask._collections and collections_to_expr, which the output collection
 # (dataframe.py) and the tests rely on; on 2025.1.0 a worker lost mid-insert
 # also failed the retried bootstrap. .ci/run runs tests on the oldest.
+from dask.dataframe.dask_expr._expr import Blockwise as _Blockwise
 from dask.dataframe.dask_expr._shuffle import SimpleShuffle as _Lowered
 
 from mpshuffle.dask.partitioning import DaskPartitioning
@@ -66,11 +67,13 @@ from mpshuffle.errors import MPShuffleError
 __all__ = [
     "METHOD",
     "SUPPORTED_DASK",
+    "MPInsert",
     "MPShuffle",
     "UnsupportedDaskError",
     "check_dask_version",
     "install",
     "installed",
+    "mpshuffle_expr",
     "uninstall",
 ]
 
@@ -149,14 +152,201 @@ def _expr_classes() -> tuple[Any, Any, Any]:
     return Shuffle, ShuffleBase, Merge
 
 
+_SHUFFLE_PARAMETERS = [
+    "frame",
+    "partitioning_index",
+    "npartitions_out",
+    "ignore_index",
+    "options",
+    "original_partitioning_index",
+    "_partitions",
+    "mpshuffle_options",
+    "partitioning",
+    "output_columns",
+]
+_SHUFFLE_DEFAULTS = {
+    "ignore_index": False,
+    "options": None,
+    "original_partitioning_index": None,
+    "_partitions": None,
+    "mpshuffle_options": None,
+    "partitioning": None,
+    "output_columns": None,
+}
+
+
+class MPInsert(_Blockwise):  # type: ignore[misc, valid-type]
+    """The insert tasks of one :class:`MPShuffle`: one per input partition, each returning an ``Inserted``.
+
+    Parameters (operands)
+    ---------------------
+    frame
+        The expression to shuffle (the frame before the shuffle).
+    partitioning_index, npartitions_out, ignore_index, options, original_partitioning_index, mpshuffle_options, partitioning, output_columns
+        The shuffle's, as :class:`MPShuffle` documents them.
+
+    Notes
+    -----
+    A ``Blockwise`` expression, so that Dask's blockwise fusion
+    (``optimize_blockwise_fusion``) runs each insert in the task that makes
+    its input partition, where that input is a blockwise expression used by
+    nothing else (a ``map_partitions``, ``from_map``, ``read_parquet``, an
+    ``assign``...): ``n`` tasks fewer for ``n`` input partitions, the
+    scheduler's round trip per task and the input's hand-over in worker
+    memory saved. Dask then names the fused task by its own rule (e.g.
+    ``frommap-mpshuffle-<token>``); unfused, the key is
+    ``mpshuffle-insert-<token>``. The barrier depends on whichever keys
+    the graph has. ``_meta`` is the input's: the expression stands for the
+    input's partitions in Dask's plan, and nothing but its
+    :class:`MPShuffle` reads it (its tasks return ``Inserted`` records).
+    The :class:`~mpshuffle.dask.graph.ShuffleSpec` is built from the
+    operands where the graph is materialized (the scheduler).
+    """
+
+    _parameters = [p for p in _SHUFFLE_PARAMETERS if p != "_partitions"]  # noqa: RUF012
+    _defaults = {k: v for k, v in _SHUFFLE_DEFAULTS.items() if k != "_partitions"}  # noqa: RUF012
+
+    def __str__(self) -> str:
+        return f"MPInsert({self._name[-7:]})"
+
+    @functools.cached_property
+    def _shuffle_token(self) -> str:
+        from dask.base import tokenize
+
+        return tokenize(self.frame._name, *[self.operand(p) for p in self._parameters[1:]])
+
+    @functools.cached_property
+    def _name(self) -> str:
+        return f"{METHOD}-insert-{self._shuffle_token}"
+
+    @functools.cached_property
+    def _meta(self) -> Any:
+        return self.frame._meta
+
+    def _divisions(self) -> Any:
+        return self.frame.divisions
+
+    def _simplify_up(self, parent: Any, dependents: Any) -> None:
+        return None  # only its MPShuffle uses it
+
+    def _simplify_down(self) -> None:
+        return None
+
+    @functools.cached_property
+    def _output_meta(self) -> Any:
+        """The shuffle's output meta: the input's, Dask's ids appended where it has them, ``output_columns`` applied."""
+        partitioning = self.operand("partitioning")
+        meta = self.frame._meta
+        if partitioning is not None:
+            # As after Dask's AssignPartitioningIndex: the ids as the last column.
+            meta = _with_ids(meta, 0, partitioning.ids_dtype)
+        columns = self.operand("output_columns")
+        return meta if columns is None else meta[list(columns)]
+
+    @functools.cached_property
+    def _keeps_index(self) -> bool:
+        # Dask's meta keeps the index for every method but tasks. With
+        # ignore_index a default RangeIndex need not travel (Dask documents
+        # that its values may be lost): each output partition gets a fresh
+        # RangeIndex, of the meta's type. Any other index travels.
+        import pandas as pd
+
+        index = self._output_meta.index
+        return not (self.ignore_index and isinstance(index, pd.RangeIndex) and index.name is None)
+
+    @functools.cached_property
+    def _partitioner(self) -> Any:
+        partitioner = self.operand("partitioning")
+        if partitioner is None and list(self._partitioning_index) == [_PARTITIONS]:
+            return _ColumnIds(_PARTITIONS)
+        return partitioner
+
+    @functools.cached_property
+    def _partitioning_index(self) -> list[Any]:
+        index = self.partitioning_index
+        return [index] if isinstance(index, (str, int)) else list(index)
+
+    @functools.cached_property
+    def _ids_dtype(self) -> str | None:
+        """The dtype (``numpy`` ``str``) of ``_partitions`` where it is Dask's ids, else ``None``.
+
+        Output partition ``j``'s ``_partitions`` values are all ``j``: where
+        the column is Dask's ids (a hash computed in the insert, or a sort's
+        ranges as the frame's last column), it does not travel and each
+        extract appends it as that constant, when the output has it.
+        """
+        partitioner = self._partitioner
+        if partitioner is not None and partitioner is self.operand("partitioning"):
+            return str(partitioner.ids_dtype.str)
+        columns = list(self.frame._meta.columns)
+        if (
+            isinstance(partitioner, _ColumnIds)
+            and columns[-1:] == [_PARTITIONS]
+            and columns.count(_PARTITIONS) == 1
+            and isinstance(self.frame._meta[_PARTITIONS].dtype, np.dtype)
+            and self.frame._meta[_PARTITIONS].dtype.kind in "iu"
+        ):
+            return str(self.frame._meta[_PARTITIONS].dtype.str)
+        return None
+
+    @property
+    def appended_ids_dtype(self) -> str | None:
+        """The dtype of the ``_partitions`` column each extract appends (see ``_ids_dtype``), or ``None``."""
+        return self._ids_dtype if _PARTITIONS in self._output_meta.columns else None
+
+    @functools.cached_property
+    def spec(self) -> Any:
+        """The shuffle's :class:`~mpshuffle.dask.graph.ShuffleSpec`, which every task of it carries."""
+        from mpshuffle.dask.graph import shuffle_spec
+        from mpshuffle.options import Options
+
+        # Built where Dask materializes the graph (the scheduler, since dask
+        # 2025.3): the options come from the expression, resolved on the
+        # client by _lower, never from this process's configuration.
+        chosen = self.operand("mpshuffle_options")
+        options = Options(**chosen) if chosen is not None else None
+        on = self._partitioning_index
+        if self.operand("partitioning") is not None:
+            on = on or ["_index"]  # a shuffle on the index; not read with a partitioner
+        dropped = self._ids_dtype is not None
+        columns = list(self._output_meta.columns)
+        select: list[Any] | None = [c for c in columns if not (dropped and c == _PARTITIONS)]
+        meta = self.frame._meta[select]
+        if select == list(self.frame._meta.columns):
+            select = None  # every column travels
+        return shuffle_spec(
+            on=on,
+            npartitions=self.npartitions_out,
+            meta=meta,
+            select=select,
+            keep_index=self._keeps_index,
+            name=METHOD,
+            token=self._shuffle_token,
+            partitioner=self._partitioner,
+            on_lossy_cast="keep",
+            options=options,
+        )
+
+    def _task(self, name: Any, index: int) -> Any:
+        from dask._task_spec import Task, TaskRef
+
+        from mpshuffle.dask.graph import insert
+
+        return Task(name, insert, TaskRef((self.frame._name, index)), index, self.spec)
+
+
 class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     """A lowered Dask shuffle whose tasks are mpshuffle's insert, barrier and extract tasks.
 
     Parameters (operands)
     ---------------------
     frame
-        The expression to shuffle (a DataFrame; Dask turns Series into
-        frames before its shuffles).
+        The shuffle's :class:`MPInsert` (or, once Dask fused it into its
+        input's tasks, the ``Fused`` expression whose first member it is);
+        its own ``frame`` is the expression to shuffle (a DataFrame; Dask
+        turns Series into frames before its shuffles). Build the pair with
+        :func:`mpshuffle_expr`. The operands below are the insert's too,
+        which the tasks follow.
     partitioning_index
         ``"_partitions"`` (Dask's column of output partition ids: each row
         goes to the partition it names), or key columns hashed by
@@ -202,8 +392,9 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     Notes
     -----
     The graph is :func:`mpshuffle.dask.shuffle_graph`'s: one insert task
-    per input partition, one barrier, one extract task per output
-    partition, keyed ``mpshuffle-insert-<token>``,
+    per input partition (:class:`MPInsert`'s, keyed
+    ``mpshuffle-insert-<token>`` unless fused into the input's tasks), one
+    barrier, one extract task per output partition, keyed
     ``mpshuffle-barrier-<token>`` and ``mpshuffle-extract-<token>``. Without
     a partition filter the last is this expression's name, so its
     partitions are the extract tasks themselves; with one, only the chosen
@@ -212,65 +403,70 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
     (as Dask's shuffles do) instead of raising.
     """
 
-    _parameters = [  # noqa: RUF012  (Dask's Expr protocol: class-level lists)
-        "frame",
-        "partitioning_index",
-        "npartitions_out",
-        "ignore_index",
-        "options",
-        "original_partitioning_index",
-        "_partitions",
-        "mpshuffle_options",
-        "partitioning",
-        "output_columns",
-    ]
-    _defaults = {  # noqa: RUF012
-        "ignore_index": False,
-        "options": None,
-        "original_partitioning_index": None,
-        "_partitions": None,
-        "mpshuffle_options": None,
-        "partitioning": None,
-        "output_columns": None,
-    }
+    _parameters = _SHUFFLE_PARAMETERS
+    _defaults = _SHUFFLE_DEFAULTS
+    _filter_passthrough = False  # Dask pushed filters below the abstract Shuffle already
 
     def __str__(self) -> str:
         return f"MPShuffle({self._name[-7:]})"
 
     @functools.cached_property
-    def _shuffle_token(self) -> str:
-        from dask.base import tokenize
+    def _inserts(self) -> MPInsert:
+        frame = self.frame
+        if isinstance(frame, MPInsert):
+            return frame
+        exprs = getattr(frame, "exprs", None)  # Dask's Fused: its first member is the group's top
+        if exprs and isinstance(exprs[0], MPInsert):
+            return cast(MPInsert, exprs[0])
+        raise TypeError(f"MPShuffle's frame must be its MPInsert, got {type(frame).__name__}")
 
-        # The shuffle itself, whichever of its outputs this expression keeps
-        # (every operand but _partitions), its options included.
-        return tokenize(
-            self.frame._name, *[self.operand(p) for p in self._parameters[1:] if p != "_partitions"]
-        )
+    @property
+    def _source(self) -> Any:
+        """The expression shuffled (the insert's input)."""
+        return self._inserts.frame
+
+    @property
+    def _shuffle_token(self) -> str:
+        # The shuffle itself, whichever of its outputs this expression keeps.
+        return self._inserts._shuffle_token
 
     @functools.cached_property
     def _name(self) -> str:
         if self._filtered:
             from dask.base import tokenize
 
-            return f"{METHOD}-partitions-{tokenize(self._shuffle_token, self.operand('_partitions'))}"
-        return f"{METHOD}-extract-{self._shuffle_token}"
+            return f"{METHOD}-partitions-{tokenize(self._extracts, self.operand('_partitions'))}"
+        return self._extracts
+
+    @functools.cached_property
+    def _extracts(self) -> str:
+        """The extract tasks' key name: the spec's, or, with the inserts fused, one that follows the fused input's name.
+
+        Dask keeps one expression object per name: the shuffle over the
+        fused inserts must be named apart from the one over the unfused.
+        """
+        if self.frame is self._inserts:
+            return f"{METHOD}-extract-{self._shuffle_token}"
+        from dask.base import tokenize
+
+        return f"{METHOD}-extract-{tokenize(self._shuffle_token, self.frame._name)}"
 
     @functools.cached_property
     def _meta(self) -> Any:
-        partitioning = self.operand("partitioning")
-        meta = self.frame._meta
-        if partitioning is not None:
-            # As after Dask's AssignPartitioningIndex: the ids as the last column.
-            meta = _with_ids(meta, 0, partitioning.ids_dtype)
-        columns = self.operand("output_columns")
-        return meta if columns is None else meta[list(columns)]
+        return self._inserts._output_meta
+
+    def _node_label_args(self) -> list[Any]:
+        return [self._source, self.partitioning_index]
 
     def _simplify_up(self, parent: Any, dependents: Any) -> Any:
         from dask.dataframe.dask_expr._expr import Projection
 
+        # Dask's other rewrites of a shuffle (a reduction or a filter moved
+        # below it) ran on the abstract Shuffle before it was lowered; they
+        # would read this expression's frame, the inserts, as the data.
         if isinstance(parent, Projection):
             return self._absorb_projection(parent, dependents)
-        return super()._simplify_up(parent, dependents)
+        return None
 
     def _absorb_projection(self, parent: Any, dependents: Any) -> Any:
         """This shuffle sending only the columns that its dependents select, or ``None``.
@@ -298,88 +494,36 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         kept = [c for c in current if c in wanted_set]
         if not kept or len(kept) == len(current) or len(set(current)) != len(current):
             return None
-        own_hash = self.operand("partitioning") is None and self._partitioning_index != [_PARTITIONS]
-        if own_hash and not set(self._partitioning_index) <= set(kept):
+        inserts = self._inserts
+        own_hash = inserts.operand("partitioning") is None and inserts._partitioning_index != [_PARTITIONS]
+        if own_hash and not set(inserts._partitioning_index) <= set(kept):
             # mpshuffle's own hash reads the key columns in the pass that
             # splits the frame: they must travel.
             return None
-        shuffle = self.substitute_parameters({"output_columns": kept})
+        shuffle = self.with_output_columns(kept)
         if parent.operand("columns") == kept:
             return shuffle
         return type(parent)(shuffle, *parent.operands[1:])
 
+    def with_output_columns(self, columns: list[Any]) -> MPShuffle:
+        """This shuffle (its inserts too) with ``output_columns`` ``columns``, a subset of its output's in order."""
+        operands = {p: self.operand(p) for p in self._parameters[1:]}
+        operands["output_columns"] = list(columns)
+        return mpshuffle_expr(self._source, **operands)
+
     def _lower(self) -> None:
         return None
 
-    @functools.cached_property
-    def _keeps_index(self) -> bool:
-        # Dask's meta keeps the index for every method but tasks. With
-        # ignore_index a default RangeIndex need not travel (Dask documents
-        # that its values may be lost): each output partition gets a fresh
-        # RangeIndex, of the meta's type. Any other index travels.
-        import pandas as pd
-
-        index = self._meta.index
-        return not (self.ignore_index and isinstance(index, pd.RangeIndex) and index.name is None)
-
-    def _appended_ids_dtype(self, partitioner: Any) -> str | None:
-        """The dtype (``numpy`` ``str``) of the ``_partitions`` column that the extracts append, or ``None``."""
-        if partitioner is not None and partitioner is self.operand("partitioning"):
-            return str(partitioner.ids_dtype.str)
-        columns = list(self.frame._meta.columns)
-        if (
-            isinstance(partitioner, _ColumnIds)
-            and columns[-1:] == [_PARTITIONS]
-            and columns.count(_PARTITIONS) == 1
-            and isinstance(self.frame._meta[_PARTITIONS].dtype, np.dtype)
-            and self.frame._meta[_PARTITIONS].dtype.kind in "iu"
-        ):
-            return str(self.frame._meta[_PARTITIONS].dtype.str)
-        return None
-
     def _layer(self) -> dict[Any, Any]:
-        from mpshuffle.dask.graph import shuffle_graph
-        from mpshuffle.options import Options
+        from mpshuffle.dask.graph import output_tasks
 
-        # Built where Dask materializes the graph (the scheduler, since dask
-        # 2025.3): the options come from the expression, resolved on the
-        # client by _lower, never from this process's configuration.
-        chosen = self.operand("mpshuffle_options")
-        options = Options(**chosen) if chosen is not None else None
-
-        on = list(self._partitioning_index)
-        partitioner = self.operand("partitioning")
-        if partitioner is not None:
-            on = on or ["_index"]  # a shuffle on the index; not read with a partitioner
-        elif on == [_PARTITIONS]:
-            partitioner = _ColumnIds(_PARTITIONS)
-        name = self.frame._name
-        meta = self.frame._meta
-        # Output partition j's _partitions values are all j: where the column
-        # is Dask's ids (a hash computed in the insert, or a sort's ranges as
-        # the frame's last column), it does not travel and each extract
-        # appends it as that constant, when the output has it.
-        ids_dtype = self._appended_ids_dtype(partitioner)
-        columns = list(self._meta.columns)  # output_columns applied
-        appends_ids = ids_dtype is not None and _PARTITIONS in columns
-        select: list[Any] | None = [c for c in columns if not (ids_dtype is not None and c == _PARTITIONS)]
-        meta = meta[select]
-        if select == list(self.frame._meta.columns):
-            select = None  # every column travels
-        graph, keys = shuffle_graph(
-            [(name, i) for i in range(self.frame.npartitions)],
-            on=on,
-            npartitions=self.npartitions_out,
-            meta=meta,
-            select=select,
-            keep_index=self._keeps_index,
-            name=METHOD,
-            token=self._shuffle_token,
-            partitioner=partitioner,
-            on_lossy_cast="keep",
-            options=options,
+        inserts = self._inserts
+        spec = inserts.spec
+        graph, keys = output_tasks(
+            spec, [(self.frame._name, i) for i in range(self.frame.npartitions)], extract_name=self._extracts
         )
-        if appends_ids:
+        ids_dtype = inserts.appended_ids_dtype
+        if ids_dtype is not None:
             for j, key in enumerate(keys):
                 _, barrier_name, _, spec = graph[key]
                 graph[key] = (_extract_with_ids, barrier_name, j, spec, ids_dtype)
@@ -394,6 +538,25 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         for i, j in enumerate(self._partitions):
             graph[(self._name, i)] = _alias((self._name, i), keys[j])
         return graph
+
+
+def mpshuffle_expr(frame: Any, *args: Any, **operands: Any) -> MPShuffle:
+    """The :class:`MPShuffle` of ``frame`` over its :class:`MPInsert`; operands as :class:`MPShuffle`'s, after ``frame``.
+
+    Raises
+    ------
+    TypeError
+        For an operand name that :class:`MPShuffle` does not have.
+    """
+    names = _SHUFFLE_PARAMETERS[1:]
+    given = dict(zip(names, args, strict=False))
+    unknown = set(operands) - set(names)
+    if unknown:
+        raise TypeError(f"unknown MPShuffle operand(s): {sorted(unknown)}")
+    given.update(operands)
+    values = [given.get(p, _SHUFFLE_DEFAULTS.get(p)) for p in names]
+    inserts = MPInsert(frame, *[v for p, v in zip(names, values, strict=True) if p != "_partitions"])
+    return MPShuffle(inserts, *values)
 
 
 def _with_ids(frame: Any, partition_id: int, dtype: Any) -> Any:
@@ -486,7 +649,7 @@ def install() -> None:
         from mpshuffle.dask.dataframe import graph_options
 
         frame, partitioning_index, partitioning = _before_partitioning(self)
-        return MPShuffle(
+        return mpshuffle_expr(
             frame,
             partitioning_index,
             self.npartitions_out,

@@ -364,7 +364,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             tasks = self.scheduler.tasks
             barrier_ts = tasks.get(barrier_name)
             insert_keys = [dts.key for dts in barrier_ts.dependencies] if barrier_ts is not None else []
-            keys = [(extract_name, j) for j in range(npartitions)]
+            keys = [(_extract_name(barrier_ts, extract_name), j) for j in range(npartitions)]
             run = _Run(
                 token, next(self._ops), gen, npartitions, insert_keys, keys, barrier_name,
                 timeout=Options(**options).timeout,
@@ -631,6 +631,21 @@ def _link_error(gen: _Generation, rank: int, peer: int, reason: str) -> str:
         f"rank {rank} (worker {gen.workers[rank]}) of generation {gen.id} can no longer reach "
         f"rank {peer} (worker {gen.workers[peer]}): {reason}"
     )
+
+
+def _extract_name(barrier_ts: Any, default: str) -> str:
+    """The key name of the extract tasks that depend on ``barrier_ts``, else ``default`` (the graph's spec's).
+
+    The graph is the truth: Dask names a shuffle's output partitions (the
+    extracts) after the shuffle expression, whose name follows its input's
+    (an insert fused into its input's task changes it), while the spec that
+    every task carries is built from the inserts alone.
+    """
+    if barrier_ts is not None:
+        for dts in barrier_ts.dependents:
+            if isinstance(dts.key, tuple) and len(dts.key) == 2:
+                return str(dts.key[0])
+    return default
 
 
 def _pins(
