@@ -58,7 +58,12 @@ def _mpshuffle_ran(client: Client) -> Iterator[dict[str, int]]:
     for t in ts.data:
         key = t["key"]
         name = key[0] if isinstance(key, tuple) else key
-        kind = "-".join(name.split("-")[:2]) if name.startswith("mpshuffle") else "other"
+        if name.startswith("mpshuffle"):
+            kind = "-".join(name.split("-")[:2])
+        elif name.rsplit("-", 1)[0].endswith("-mpshuffle"):
+            kind = "mpshuffle-insert"  # fused into its input's task by Dask (MPInsert)
+        else:
+            kind = "other"
         counts[kind] = counts.get(kind, 0) + 1
     assert counts.get("mpshuffle-insert", 0) > 0 and counts.get("mpshuffle-extract", 0) > 0, counts
     assert counts.get("mpshuffle-barrier", 0) > 0, counts
