@@ -391,11 +391,12 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
 
     Notes
     -----
-    The graph is :func:`mpshuffle.dask.shuffle_graph`'s: one insert task
-    per input partition (:class:`MPInsert`'s, keyed
+    The graph has :func:`mpshuffle.dask.shuffle_graph`'s shape, built from
+    :func:`~mpshuffle.dask.graph.output_tasks` here and the inserts'
+    own tasks: one insert task per input partition (:class:`MPInsert`'s, keyed
     ``mpshuffle-insert-<token>`` unless fused into the input's tasks), one
     barrier, one extract task per output partition, keyed
-    ``mpshuffle-barrier-<token>`` and ``mpshuffle-extract-<token>``. Without
+    ``mpshuffle-barrier-<token>`` and ``mpshuffle-extract-<token>`` (another token once the inserts are fused, see ``_extracts``). Without
     a partition filter the last is this expression's name, so its
     partitions are the extract tasks themselves; with one, only the chosen
     extract tasks are in the graph and the expression's keys alias them.
