@@ -28,6 +28,12 @@ def placeholder(_: object, i: int) -> int:
     return i
 
 
+def placeholder_of_partition(i: int, rows: int) -> int:
+    """Make input partition ``i`` and return ``i``: an input task with the insert's place fused in."""
+    make_partition(i, rows)
+    return i
+
+
 def placeholder_barrier(*inserted: object) -> int:
     """A task that waits for all of ``inserted`` and returns how many there were."""
     return len(inserted)

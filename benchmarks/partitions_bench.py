@@ -10,7 +10,9 @@ code, only the method switched::
     df.shuffle("key")
 
 on one LocalCluster (``--workers`` x 1 thread); method ``floor`` is Dask's
-own cost for a graph of that shape doing nothing (see :func:`_floor_graph`).
+own cost for a graph of that shape doing nothing, ``floor-fused`` the same
+with each insert's place inside its input's task, as mpshuffle's inserts
+fuse into ``from_map`` (see :func:`_floor_graph`).
 Per run: seconds from
 submitting until the output is persisted, the peak of the cluster's memory
 (the largest sum over the workers of one RSS sample, every 20 ms; also
@@ -99,17 +101,23 @@ def _cpu(pids: list[int]) -> float:
     return total
 
 
-def _floor_graph(n: int, rows: int) -> tuple[dict[Any, Any], list[Any]]:
+def _floor_graph(n: int, rows: int, fused: bool = False) -> tuple[dict[Any, Any], list[Any]]:
     """Dask's floor for a shuffle of ``n -> n``: the same shape of graph, moving no data.
 
     ``n`` input tasks (the same partitions), one task after each (the
     insert's place), one barrier task depending on those, ``n`` output
-    tasks depending on the barrier: ``3 n + 1`` tasks, as mpshuffle's and
-    P2P's graphs have. What it costs is what the scheduler and the workers
-    spend on the tasks themselves, whatever a shuffle does in them.
+    tasks depending on the barrier: ``3 n + 1`` tasks, as P2P's graph has.
+    With ``fused`` the insert's place is inside the input's task
+    (``inputs.placeholder_of_partition``): ``2 n + 1`` tasks, the shape of
+    mpshuffle's graph when its inserts fuse into a blockwise input. What it
+    costs is what the scheduler and the workers spend on the tasks
+    themselves, whatever a shuffle does in them.
     """
     graph: dict[Any, Any] = {}
     for i in range(n):
+        if fused:
+            graph[("floor-insert", i)] = (inputs.placeholder_of_partition, i, rows)
+            continue
         graph[("floor-input", i)] = (make_partition, i, rows)
         graph[("floor-insert", i)] = (inputs.placeholder, ("floor-input", i), i)
     graph["floor-barrier"] = (inputs.placeholder_barrier, *[("floor-insert", i) for i in range(n)])
@@ -125,9 +133,9 @@ def run_once(client: Client, method: str, n: int, rows: int) -> dict[str, Any]:
     client.run(__import__("gc").collect)
     time.sleep(0.5)
     idle = _rss(pids)
-    if method == "floor":
+    if method in ("floor", "floor-fused"):
         t0 = time.perf_counter()
-        graph, keys = _floor_graph(n, rows)
+        graph, keys = _floor_graph(n, rows, fused=method == "floor-fused")
         graph_seconds = time.perf_counter() - t0
         cpu0, main0 = _cpu(pids), time.process_time()
         with _Sampler(pids) as sampler:
