@@ -93,3 +93,31 @@ def test_warm_up_stops_once_a_real_insert_ran() -> None:
                          timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok")
+
+
+_COMPILED = textwrap.dedent(
+    """
+    from mpshuffle.table._kernels import kernels
+    from mpshuffle.table.warm import warm_up
+
+    warm_up()
+    k = kernels()
+    misses = {name: sum(getattr(k, name).stats.cache_misses.values()) for name in vars(k)}
+    hits = sum(sum(getattr(k, name).stats.cache_hits.values()) for name in vars(k))
+    print("misses", {n: c for n, c in misses.items() if c}, "hits", hits)
+    """
+)
+
+
+def test_a_second_process_loads_the_kernels_from_numba_cache() -> None:
+    # A kernel whose cache key changes from process to process (a closure
+    # over other compiled functions did) is compiled again by every worker:
+    # seconds of CPU in each fresh worker's first shuffle.
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _COMPILED], check=False, capture_output=True, text=True,
+                             timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(out.stdout.strip())
+    assert runs[1].startswith("misses {} hits "), runs
+    assert int(runs[1].rsplit(" ", 1)[1]) > 0, runs
