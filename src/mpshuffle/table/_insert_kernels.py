@@ -50,14 +50,19 @@ def mix(x):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always")
+def place(i, p, pid, rank, counts):  # type: ignore[no-untyped-def]
+    # Row i goes to partition p, after the rows of p before it (a stable counting sort).
+    pid[i] = p
+    rank[i] = counts[p]
+    counts[p] += 1
+
+
+@numba.njit(inline="always")
 def emit(i, h, mode, acc, npart, pid, rank, counts):  # type: ignore[no-untyped-def]
     if mode == 1 or mode == 3:
         h = (acc[i] * m) ^ h
     if mode >= 2:
-        p = h % npart
-        pid[i] = p
-        rank[i] = counts[p]
-        counts[p] += 1
+        place(i, h % npart, pid, rank, counts)
     else:
         acc[i] = h
 
@@ -107,10 +112,7 @@ def emit_pandas(i, h, mult, first, final, acc, npart, pid, rank, counts):  # typ
     a = (a ^ h) * mult
     if final:
         a += pd_end
-        p = a % npart
-        pid[i] = p
-        rank[i] = counts[p]
-        counts[p] += 1
+        place(i, a % npart, pid, rank, counts)
     else:
         acc[i] = a
 
