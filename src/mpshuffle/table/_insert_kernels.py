@@ -144,10 +144,7 @@ def pandas_given(hashes, mult, first, final, acc, npart, pid, rank, counts):  # 
 def rank_ids(ids, pid, rank, counts):  # type: ignore[no-untyped-def]
     # Caller-given ids (a range partitioner): narrow them, rank and count.
     for i in range(ids.shape[0]):
-        p = ids[i]
-        pid[i] = p
-        rank[i] = counts[p]
-        counts[p] += 1
+        place(i, ids[i], pid, rank, counts)
 
 
 # Indices below are unsigned on purpose: numba checks every signed index
