@@ -27,6 +27,7 @@ from mpshuffle.table import (
     register_adapter,
 )
 from mpshuffle.table._columns import read_piece
+from mpshuffle.table._reconcile import reconcile
 from mpshuffle.table.base import AdapterRegistry
 from mpshuffle.table.hashing import NULL_HASH, combine_hashes
 
@@ -365,6 +366,16 @@ def test_incompatible_pieces_error_names_column() -> None:
         PandasAdapter().unpack(pieces, a.iloc[:0])
 
 
+def test_repeated_column_names_are_named() -> None:
+    # Sets of names agree, but a frame with a name twice cannot match the meta by position.
+    frame = pd.DataFrame([[1, 2, 0.5]], columns=["a", "a", "b"])
+    meta = pd.DataFrame({"a": pd.Series([], dtype="int64"), "b": pd.Series([], dtype="float64")})
+    with pytest.raises(ShuffleError, match=r"repeated: \['a'\]"):
+        reconcile(frame, meta)
+    reordered = reconcile(pd.DataFrame({"b": [0.5], "a": [1]}), meta)
+    assert list(reordered.columns) == ["a", "b"] and reordered.dtypes.tolist() == meta.dtypes.tolist()
+
+
 # ------------------------------------------------------------- hashing
 
 
@@ -683,7 +694,7 @@ def test_remembered_schema_is_arrows_schema_of_each_frame(index: bool) -> None:
     pandas_module._SCHEMAS.clear()
     for _ in range(2):  # the second pass reads the remembered schemas
         for frame in _schema_zoo():
-            got = pandas_module._schema_of(frame, index)
+            got = pandas_module._schema_of(frame, index, tuple(frame.dtypes))
             want = pa.Schema.from_pandas(frame, preserve_index=index)
             assert got.equals(want, check_metadata=True), (frame.dtypes, got, want)
     # Frames that differ only where Arrow infers from values (object columns) are never remembered.

@@ -122,7 +122,7 @@ _SCHEMAS: dict[Any, pa.Schema] = {}
 _SCHEMAS_MAX = 256
 
 
-def _schema_of(frame: pd.DataFrame, index: bool, dtypes: tuple[Any, ...] | None = None) -> pa.Schema:
+def _schema_of(frame: pd.DataFrame, index: bool, dtypes: tuple[Any, ...]) -> pa.Schema:
     """``pa.Schema.from_pandas(frame, preserve_index=index)``, remembered by the frame's labels and dtypes.
 
     The schema and its pandas metadata follow from the column labels, their
@@ -130,9 +130,8 @@ def _schema_of(frame: pd.DataFrame, index: bool, dtypes: tuple[Any, ...] | None 
     type, names and dtypes; every insert of a shuffle has the same ones, and
     building the schema took ~0.27 ms an insert. A frame with an ``object``
     column or index is not remembered: Arrow infers those types from the values.
-    ``dtypes`` is ``tuple(frame.dtypes)`` where the caller has it (~20 us a frame).
+    ``dtypes`` is ``tuple(frame.dtypes)``, which the caller has already (~20 us a frame).
     """
-    dtypes = tuple(frame.dtypes) if dtypes is None else dtypes
     ix = frame.index
     ix_dtypes = tuple(ix.dtypes) if isinstance(ix, pd.MultiIndex) else (ix.dtype,)
     if any(d == object for d in dtypes) or (index and any(d == object for d in ix_dtypes)):
@@ -152,16 +151,16 @@ def _schema_of(frame: pd.DataFrame, index: bool, dtypes: tuple[Any, ...] | None 
     return schema
 
 
-def _pickled_positions(frame: pd.DataFrame, dtypes: tuple[Any, ...] | None = None) -> list[int]:
+def _pickled_positions(frame: pd.DataFrame, dtypes: tuple[Any, ...]) -> list[int]:
     """Positions of the columns that must travel pickled (each column decides alone).
 
     An ``object`` column that Arrow cannot convert, or converts to a type
     that does not come back as the same Python objects (see
     ``_OBJECT_SAFE``), and an ``ArrowDtype`` column pandas cannot read back.
-    ``dtypes`` is ``tuple(frame.dtypes)`` where the caller has it.
+    ``dtypes`` is ``tuple(frame.dtypes)``.
     """
     out = []
-    for i, dtype in enumerate(frame.dtypes if dtypes is None else dtypes):
+    for i, dtype in enumerate(dtypes):
         if isinstance(dtype, pd.ArrowDtype):
             if not _arrow_dtype_round_trips(frame, i):
                 out.append(i)
@@ -337,7 +336,7 @@ class PandasAdapter(FrameAdapter):
         pickled = _pickled_positions(frame, dtypes)
         kept = frame.iloc[:, [i for i in range(frame.shape[1]) if i not in pickled]] if pickled else frame
         try:
-            schema = _schema_of(kept, self.index, None if pickled else dtypes)
+            schema = _schema_of(kept, self.index, tuple(kept.dtypes) if pickled else dtypes)
             columns = pandas_columns(kept, self.index, schema)
         except _ARROW_CONVERSION_ERRORS:
             return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
