@@ -412,4 +412,4 @@ def test_the_method_comes_with_import_mpshuffle_dask() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.strip()
-    assert out.splitlines() == ["mpshuffle not supported", "['barrier', 'extract', 'insert'] True"]
+    assert out.splitlines() == ["mpshuffle not supported", "['barrier', 'extract', 'insert', 'start'] True"]

@@ -15,6 +15,7 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
+from dask.core import get_deps
 from distributed import Client
 
 import mpshuffle.dask  # noqa: F401  (installs the method)
@@ -60,7 +61,14 @@ def test_from_map_inserts_are_fused() -> None:
         parts = [out.partitions[j].compute() for j in range(n)]
     assert not any(name.startswith("mpshuffle-insert") for name in names), names
     assert any(name.endswith("-mpshuffle") for name in names), names  # Dask's name for the fused task
-    assert len(dict(optimized.dask)) == 8 + 1 + n  # fused inserts, the barrier, the extracts
+    graph = dict(optimized.dask)
+    # Fused inserts, the start task, the barrier, the extracts.
+    assert len(graph) == 8 + 1 + 1 + n
+    # One root: every fused insert depends on the start task (dask.order walks
+    # every root's outputs, so n roots cost n^2 to order).
+    deps, _ = get_deps(graph)
+    roots = [k for k, d in deps.items() if not d]
+    assert len(roots) == 1 and str(roots[0]).startswith("mpshuffle-start-"), roots
     shuffle = next(e for e in optimized.expr.walk() if isinstance(e, MPShuffle))
     assert isinstance(shuffle._inserts, MPInsert) and shuffle.frame is not shuffle._inserts
     _check(parts, expected, _tasks_keys(df, n))

@@ -70,7 +70,8 @@ def test_config_line_shuffle_and_merge_run_no_getitem_task() -> None:
         shuffled = df.shuffle("k", npartitions=3)
         merged = df.merge(df[["k", "v"]].rename(columns={"v": "w"}), on="k", npartitions=3)
         assert _kinds(shuffled) == Counter(
-            {"frompandas": 4, "mpshuffle-insert": 4, "mpshuffle-barrier": 1, "mpshuffle-extract": 3}
+            {"frompandas": 4, "mpshuffle-start": 1, "mpshuffle-insert": 4, "mpshuffle-barrier": 1,
+             "mpshuffle-extract": 3}
         )
         kinds = _kinds(merged)
         # A merge's Projection stays in Dask's plan (Dask's own tests look
@@ -160,8 +161,7 @@ def test_shuffle_graph_select_checks() -> None:
         [("x", 0)], on=["k"], npartitions=2, meta=meta[["k", "v"]], select=["k", "v"],
         partitioner=lambda frame: np.zeros(len(frame), dtype=np.int64),
     )
-    insert = next(t for k, t in graph.items() if "insert" in str(k))
-    spec = insert[-1]
+    spec = next(t for k, t in graph.items() if "-start-" in str(k))[1]  # the start task: (started, spec)
     from mpshuffle.dask.graph import insert as insert_task
 
     lacking = _pdf(10)[["k", "f"]]

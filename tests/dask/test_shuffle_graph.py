@@ -151,12 +151,12 @@ def test_persisted_input_runs_only_the_shuffle(client: Client, nout: int) -> Non
     assert _aliases(out) == []
     persisted = {k for k in graph if _prefix(k).startswith("frompandas")}
     assert len(persisted) == 4
-    assert len(graph) == 4 + 4 + 1 + nout  # futures, inserts, barrier, extracts
+    assert len(graph) == 4 + 1 + 4 + 1 + nout  # futures, start, inserts, barrier, extracts
     assert out.__dask_keys__() == [(out._name, j) for j in range(nout)]
     assert out._name.startswith("mpshuffle-extract-")
     parts, counts = _run_counted(client, out)
     assert counts == Counter(
-        {"mpshuffle-insert": 4, "mpshuffle-barrier": 1, "mpshuffle-extract": nout}
+        {"mpshuffle-start": 1, "mpshuffle-insert": 4, "mpshuffle-barrier": 1, "mpshuffle-extract": nout}
     )
     _check(pdf, parts, ["k"], nout)
     _no_state_left(client)
@@ -172,6 +172,7 @@ def test_alias_chain_and_reordered_partitions(client: Client) -> None:
     assert _aliases(out) == []
     parts, counts = _run_counted(client, out)
     assert _shuffle_tasks(counts) == {
+        "mpshuffle-start": 1,
         "mpshuffle-insert": 2,
         "mpshuffle-barrier": 1,
         "mpshuffle-extract": 2,
@@ -198,7 +199,7 @@ def test_duplicate_and_persist_of_persist(client: Client) -> None:
     out = shuffle(b, "k", npartitions=2)
     assert _aliases(out) == []
     parts, counts = _run_counted(client, out)
-    assert set(counts) == {"mpshuffle-insert", "mpshuffle-barrier", "mpshuffle-extract"}
+    assert set(counts) == {"mpshuffle-start", "mpshuffle-insert", "mpshuffle-barrier", "mpshuffle-extract"}
     _check(pdf, parts, ["k"], 2)
 
 
@@ -242,7 +243,7 @@ def test_read_parquet_input(client: Client, tmp_path: Any) -> None:
     out2 = shuffle(p, "k", npartitions=4, ignore_index=True)
     assert _aliases(out2) == []
     parts2, counts = _run_counted(client, out2)
-    assert set(counts) == {"mpshuffle-insert", "mpshuffle-barrier", "mpshuffle-extract"}
+    assert set(counts) == {"mpshuffle-start", "mpshuffle-insert", "mpshuffle-barrier", "mpshuffle-extract"}
     for x, y in zip(parts, parts2, strict=True):
         pd.testing.assert_frame_equal(x, y)
 
@@ -344,7 +345,7 @@ def test_output_persisted_then_used_twice(client: Client) -> None:
     again = shuffle(p, "v", npartitions=2)
     assert _aliases(again) == []
     parts3, counts = _run_counted(client, again)
-    assert set(counts) == {"mpshuffle-insert", "mpshuffle-barrier", "mpshuffle-extract"}
+    assert set(counts) == {"mpshuffle-start", "mpshuffle-insert", "mpshuffle-barrier", "mpshuffle-extract"}
     _check(pdf, parts3, ["v"], 2)
     del p
     _no_state_left(client)
@@ -493,7 +494,8 @@ def test_shuffle_of_a_shuffle_and_of_a_pickled_output(client: Client) -> None:
         r1, r2, r3 = dask.compute(first.to_delayed(), second.to_delayed(), third.to_delayed())
     counts = Counter(_prefix(t["key"]) for t in ran)
     assert counts == Counter(
-        {"mpshuffle-insert": 4 + 3 + 3, "mpshuffle-barrier": 3, "mpshuffle-extract": 3 + 3 + 2}
+        {"mpshuffle-start": 3, "mpshuffle-insert": 4 + 3 + 3, "mpshuffle-barrier": 3,
+         "mpshuffle-extract": 3 + 3 + 2}
     )
     _check(pdf, list(r1), ["k"], 3)
     for x, y in zip(r1, r2, strict=True):
@@ -540,7 +542,8 @@ def test_merge_and_sorts_of_persisted_inputs_run_no_alias_task(client: Client) -
     m = merge(a, b, on="k", npartitions=5)
     assert _aliases(m) == []
     parts, counts = _run_counted(client, m)
-    assert counts == Counter({"mpshuffle-insert": 7, "mpshuffle-barrier": 2, "mpshuffle-extract": 10,
+    assert counts == Counter({"mpshuffle-start": 2, "mpshuffle-insert": 7, "mpshuffle-barrier": 2,
+                              "mpshuffle-extract": 10,
                               "mpshuffle-merge": 5})
     pd.testing.assert_frame_equal(
         pd.concat(parts).sort_values(["k", "v", "w"], ignore_index=True),
@@ -550,14 +553,14 @@ def test_merge_and_sorts_of_persisted_inputs_run_no_alias_task(client: Client) -
     s = sort_values(a, "v", npartitions=3)  # the boundaries are sampled here, before the stream
     assert _aliases(s) == []
     parts, counts = _run_counted(client, s)
-    assert counts == Counter({"mpshuffle-range-insert": 4, "mpshuffle-range-barrier": 1,
+    assert counts == Counter({"mpshuffle-range-start": 1, "mpshuffle-range-insert": 4, "mpshuffle-range-barrier": 1,
                               "mpshuffle-range-extract": 3, "mpshuffle-sort": 3})
     assert pd.concat(parts)["v"].tolist() == sorted(pdf["v"].tolist())
     i = set_index(a, "v", npartitions=3)
     assert _aliases(i) == [] and i.known_divisions
     parts, counts = _run_counted(client, i)
-    assert set(counts) == {"mpshuffle-range-insert", "mpshuffle-range-barrier", "mpshuffle-range-extract",
-                           "mpshuffle-set-index"}
+    assert set(counts) == {"mpshuffle-range-start", "mpshuffle-range-insert", "mpshuffle-range-barrier",
+                           "mpshuffle-range-extract", "mpshuffle-set-index"}
     assert pd.concat(parts).index.tolist() == sorted(pdf["v"].tolist())
 
 

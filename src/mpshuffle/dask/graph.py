@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import cloudpickle
 import numpy as np
+from dask._task_spec import Task, TaskRef
 from dask.base import tokenize
 
 from mpshuffle.config import max_npartitions, resolve_options
@@ -104,6 +105,11 @@ class ShuffleSpec:
     on_lossy_cast: str = "raise"
     options: Options = dataclasses.field(default_factory=Options)
     select: tuple[Any, ...] | None = None
+
+    @property
+    def start_name(self) -> str:
+        """Key of the shuffle's start task (:func:`started`), which every insert task depends on."""
+        return f"{self.insert_name.rsplit('-insert-', 1)[0]}-start-{self.token}"
 
     def __dask_tokenize__(self) -> tuple[Any, ...]:
         # Every task carries the spec; its token already names the shuffle.
@@ -249,11 +255,13 @@ def shuffle_graph(
         partitioner=partitioner, on_lossy_cast=on_lossy_cast, options=options, select=select,
         input_keys=input_keys,
     )
-    graph: dict[Any, Any] = {}
+    graph: dict[Any, Any] = {spec.start_name: (started, spec)}
     insert_keys = []
     for i, key in enumerate(input_keys):
         k = (spec.insert_name, i)
-        graph[k] = (insert, key, i, spec)
+        # The spec comes from the start task (a TaskRef: a plain string
+        # argument is taken for a key only where Dask knows it is one).
+        graph[k] = Task(k, insert, TaskRef(key), i, TaskRef(spec.start_name))
         insert_keys.append(k)
     tasks, out = output_tasks(spec, insert_keys)
     graph.update(tasks)
@@ -369,6 +377,18 @@ def output_tasks(
 
 
 # -- the tasks -----------------------------------------------------------
+
+
+def started(spec: ShuffleSpec) -> ShuffleSpec:
+    """Task: the shuffle's start, on which every insert depends; returns ``spec`` (the inserts take it from here).
+
+    One task that all inserts depend on makes the graph have one root where
+    it had one per input partition. Dask orders a graph (``dask.order.order``)
+    by walking, for every root it places, every output that root reaches: in
+    an all-to-all graph that is n roots x n outputs, 20 s of the scheduler's
+    CPU at 5000 -> 5000 (0.22 s with one root; ``benchmarks/results/README.md``).
+    """
+    return spec
 
 
 @dataclasses.dataclass(frozen=True)

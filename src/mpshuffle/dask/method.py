@@ -332,7 +332,8 @@ class MPInsert(_Blockwise):  # type: ignore[misc, valid-type]
 
         from mpshuffle.dask.graph import insert
 
-        return Task(name, insert, TaskRef((self.frame._name, index)), index, self.spec)
+        # The spec comes from the shuffle's start task (graph.started): one root for all inserts.
+        return Task(name, insert, TaskRef((self.frame._name, index)), index, TaskRef(self.spec.start_name))
 
 
 class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
@@ -516,13 +517,14 @@ class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
         return None
 
     def _layer(self) -> dict[Any, Any]:
-        from mpshuffle.dask.graph import output_tasks
+        from mpshuffle.dask.graph import output_tasks, started
 
         inserts = self._inserts
         spec = inserts.spec
         graph, keys = output_tasks(
             spec, [(self.frame._name, i) for i in range(self.frame.npartitions)], extract_name=self._extracts
         )
+        graph[spec.start_name] = (started, spec)
         ids_dtype = inserts.appended_ids_dtype
         if ids_dtype is not None:
             for j, key in enumerate(keys):
