@@ -558,6 +558,8 @@ def test_case14_recompute_and_concurrent_shuffles(client: Client, kind: str) -> 
 
         def whole(parts: list[Any]) -> Any:
             return pd.concat(parts)
+
+        graphs = [dict(coll.optimize().__dask_graph__()) for coll in (a, b)]
     else:
         tables = [_arrow(p) for p in parts]
         name = f"arrow-input-{uuid.uuid4().hex}"
@@ -576,6 +578,9 @@ def test_case14_recompute_and_concurrent_shuffles(client: Client, kind: str) -> 
         def whole(parts: list[Any]) -> Any:
             return parts
 
+        graphs = [ga, gb]
+    barriers = [k for g in graphs for k in g if isinstance(k, str) and k.startswith("mpshuffle-barrier-")]
+    assert len(barriers) == 2, barriers
     ref = [jobs[0](), jobs[1]()]
     assert _same(jobs[0](), ref[0])  # the same collection computed twice
     # Two shuffles of one collection at once, from one call...
@@ -602,11 +607,24 @@ def test_case14_recompute_and_concurrent_shuffles(client: Client, kind: str) -> 
     _assert_clean(client)
     # The scheduler forgets a run when the result's keys are released, a
     # message that can trail the result (later still on older distributed).
-    wait_for(
-        lambda: client.run_on_scheduler(lambda dask_scheduler: not dask_scheduler.plugins["mpshuffle"].runs),
-        "the scheduler to forget both runs",
-        timeout=10,
-    )
+    # Only this test's runs are waited for: a run that an earlier test's late
+    # insert made after its graph was released is ended by the orphan rule
+    # after its ``timeout`` (SchedulerPlugin.end_orphans), not here.
+    ours = set(barriers)
+
+    def runs_left(dask_scheduler: Any) -> list[tuple[str, str, float | None]]:
+        tasks = dask_scheduler.tasks
+        return [
+            (r.barrier_key, tasks[r.barrier_key].state if r.barrier_key in tasks else "absent", r.orphaned_since)
+            for r in dask_scheduler.plugins["mpshuffle"].runs.values()
+            if r.barrier_key in ours
+        ]
+
+    try:
+        wait_for(lambda: not client.run_on_scheduler(runs_left), "the scheduler to forget both runs", timeout=30)
+    except AssertionError as e:
+        left = client.run_on_scheduler(runs_left)
+        raise AssertionError(f"{e}; runs left (barrier, its state, orphaned since): {left}") from None
 
 
 def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
