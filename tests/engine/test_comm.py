@@ -105,3 +105,61 @@ def test_a_wait_interrupted_by_close_ends_with_comm_error() -> None:
     t.join(10)
     assert not t.is_alive()
     assert len(result) == 1 and isinstance(result[0], CommError)
+
+
+def test_sends_submitted_back_to_back_wake_the_loop_once_and_keep_their_order() -> None:
+    """Work submitted while the progress loop is busy starts in order, after one wake-up.
+
+    Each wake-up of the loop from another thread is a write to its
+    self-pipe; an insert hands over one chunk per rank back to back.
+    """
+    comm = LocalCommunicator()
+    got: list[Any] = []
+    comm.register_handler("t", lambda src, tag, frames: got.append(tag[1]))
+    busy, release = threading.Event(), threading.Event()
+    comm.loop.call_soon_threadsafe(lambda: (busy.set(), release.wait(5)))
+    assert busy.wait(5)
+    wakes = 0
+    real = comm.loop.call_soon_threadsafe
+
+    def counted(*args: Any) -> Any:
+        nonlocal wakes
+        wakes += 1
+        return real(*args)
+
+    comm.loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    try:
+        futures = [comm.send_nowait(0, ("t", i), [b"x"]) for i in range(50)]
+    finally:
+        comm.loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        release.set()
+    assert [_outcome(f) for f in futures] == ["sent"] * 50
+    assert wakes == 1
+    assert got == list(range(50))
+    # Once the queued work ran, the next submission wakes the loop again.
+    assert _outcome(comm.send_nowait(0, ("t", 50), [b"x"])) == "sent"
+    assert got == list(range(51))
+    comm.close()
+
+
+def test_work_queued_when_the_loop_cannot_be_woken_fails_and_is_closed() -> None:
+    """A loop that closed between the check and the wake-up: every queued call ends with ``CommError``."""
+    comm = LocalCommunicator()
+    real = comm.loop.call_soon_threadsafe
+
+    def closed(*args: Any) -> Any:
+        raise RuntimeError("Event loop is closed")
+
+    comm.loop.call_soon_threadsafe = closed  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # an unawaited coroutine would warn
+        fut = comm.send_nowait(0, ("t", 0), [b"x"])
+        assert _outcome(fut) == "refused"
+        gc.collect()
+    comm.loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+    # Nothing stays queued: the next send is woken and delivered.
+    got: list[Any] = []
+    comm.register_handler("t", lambda src, tag, frames: got.append(tag[1]))
+    assert _outcome(comm.send_nowait(0, ("t", 1), [b"x"])) == "sent"
+    assert got == [1]
+    comm.close()

@@ -81,6 +81,15 @@ class Communicator(abc.ABC):
         self._accepting = True
         self._unstarted: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Starts of submitted work waiting for the progress thread, in
+        # submission order, and whether a wake-up to run them is on its way:
+        # work submitted back to back (an insert's chunks, one per rank)
+        # wakes the loop once, not once each (each wake-up is a write to the
+        # loop's self-pipe).
+        self._starts: collections.deque[tuple[concurrent.futures.Future[Any], Callable[[], None], str]] = (
+            collections.deque()
+        )
+        self._wake_pending = False
         # How messages name each rank's process; its address unless set_peer_names gave better ones.
         self._peer_names: list[str] | None = None
 
@@ -383,15 +392,29 @@ class Communicator(abc.ABC):
             task.add_done_callback(functools.partial(self._settle, outer, what))
             outer.add_done_callback(functools.partial(self._cancel_if_cancelled, task))
 
-        try:
-            self.loop.call_soon_threadsafe(start)
-        except RuntimeError:  # the loop is closed
-            with self._lock:
-                self._unstarted.pop(outer, None)
-            coro.close()
-            if not outer.done():  # _stop_progress may have failed it first
-                outer.set_exception(self._closed_error(what))
+        with self._lock:
+            self._starts.append((outer, start, what))
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._run_starts)
+            except RuntimeError:  # the loop is closed: nothing queued will start
+                with self._lock:
+                    queued, self._starts, self._wake_pending = list(self._starts), collections.deque(), False
+                    dropped = [(o, self._unstarted.pop(o, None), w) for o, _, w in queued]
+                for o, c, w in dropped:
+                    if c is not None:
+                        c.close()
+                    if not o.done():  # _stop_progress may have failed it first
+                        o.set_exception(self._closed_error(w))
         return outer
+
+    def _run_starts(self) -> None:
+        """On the progress thread: start, in submission order, the work queued by :meth:`_submit`."""
+        with self._lock:
+            queued, self._starts, self._wake_pending = self._starts, collections.deque(), False
+        for _, start, _ in queued:
+            start()
 
     def _cancel_if_cancelled(self, task: asyncio.Task[Any], outer: concurrent.futures.Future[Any]) -> None:
         # The caller gave up (an awaiting task was cancelled): so does the work.
