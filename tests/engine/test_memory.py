@@ -8,13 +8,16 @@ import os
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from mpshuffle.comm import LocalCommunicator
 from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
 from mpshuffle.memory.packed import PackedPieces, PieceTable, distinct_metadata, packed_nbytes
 from mpshuffle.memory.postbox import Chunk
+from mpshuffle.shuffler import host
 from mpshuffle.shuffler.host import Shuffler, _batches, _chunk_frames, _received_chunk
 from mpshuffle.table import PackedData, partition_owner
 from mpshuffle.table.hashing import partition_owners
@@ -371,6 +374,81 @@ def test_batches_follow_the_owner_rule_and_close_at_batch_bytes() -> None:
     closes = [int(ix[-1]) for _, ix in batches if t.size[ix].sum() >= 130]
     assert closes == [8, 9] and [d for d, _ in batches] == [2, 0, 1]  # rank 1's 120 bytes stay open, go last
     assert _batches(_table({}), 3, 40) == []
+
+
+def test_batches_cut_each_destination_into_ranges_of_partitions() -> None:
+    """An insert's pieces for one rank go in RELEASE_GROUPS chunks, each a range of neighbouring partitions."""
+    piece_values = host.RELEASE_MIN_BYTES // 8  # pieces of RELEASE_MIN_BYTES: each group reaches the floor
+    nparts, nranks = 4 * host.RELEASE_GROUPS * 2, 2  # 4 partitions per group per rank
+    t = _table({p: [p] * piece_values for p in range(nparts)})
+    batches = _batches(t, nranks, 2**30)
+    for dest in range(nranks):
+        ranges = [t.pids[ix].tolist() for d, ix in batches if d == dest]
+        assert len(ranges) == host.RELEASE_GROUPS
+        owned = list(range(dest, nparts, nranks))
+        assert ranges == [owned[4 * g : 4 * g + 4] for g in range(host.RELEASE_GROUPS)]
+    # batch_bytes still caps a chunk: one piece each.
+    assert len(_batches(t, nranks, host.RELEASE_MIN_BYTES)) == nparts
+    # An insert under RELEASE_MIN_BYTES per rank: one chunk per rank, whatever its partitions.
+    small = _table({p: [p] for p in range(1000)})
+    assert [(d, len(ix)) for d, ix in _batches(small, nranks, 2**30)] == [(0, 500), (1, 500)]
+
+
+def test_a_chunk_and_its_memory_go_once_its_partitions_are_popped(tmp_path: Any) -> None:
+    """Chunks of partition ranges are freed one by one as their partitions are popped in order."""
+    res = BufferResource({MemoryType.HOST: 2**30}, spill_dir=str(tmp_path))
+    box = Postbox(res, "release")
+    nparts, per_chunk, values = 12, 4, 2**14  # pieces of 128 KiB, chunks of 4 partitions
+    base = pa.total_allocated_bytes()
+    for input_index in range(2):
+        for first in range(0, nparts, per_chunk):
+            frame = pa.allocate_buffer(per_chunk * 8 * values)  # from Arrow's pool: its release is counted
+            data = np.frombuffer(frame, np.int64).reshape(per_chunk, values)
+            data[:] = np.arange(first, first + per_chunk)[:, None] + 1000 * input_index
+            sizes = np.full(per_chunk, 8 * values, np.int64)
+            box.add_chunk(Chunk(
+                input_index, "a", 0, first, pids=np.arange(first, first + per_chunk), nrows=sizes // 8,
+                meta_of=np.zeros(per_chunk, np.int32), frame_of=np.zeros(per_chunk, np.int32),
+                offset=np.cumsum(sizes) - sizes, size=sizes, metas=[b"m"], frames=[frame],
+            ))
+            del frame, data
+    chunk_bytes = per_chunk * 8 * values
+    assert pa.total_allocated_bytes() - base == 6 * chunk_bytes
+    assert box.nbytes == res.used(MemoryType.HOST) == 6 * (chunk_bytes + 1)
+    for p in range(nparts):
+        got = box.pop(p)
+        assert [int(np.frombuffer(g.data, np.int64)[0]) for g in got] == [p, 1000 + p]
+        del got
+        left = 2 * (nparts - per_chunk * ((p + 1) // per_chunk)) // per_chunk  # chunks not fully popped
+        assert box.nbytes == res.used(MemoryType.HOST) == left * (chunk_bytes + 1)
+        assert pa.total_allocated_bytes() - base == left * chunk_bytes
+    box.clear()
+
+
+def test_extracts_in_partition_order_free_received_memory_as_they_go(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a shuffler: each extract frees the chunks whose last partition it was, not all at the end."""
+    monkeypatch.setattr(host, "RELEASE_MIN_BYTES", 1)
+    comm = LocalCommunicator()
+    comm.register_handler("mps", lambda src, tag, frames: s.receive(src, tag, frames))
+    s = Shuffler(comm, 1, resource=BufferResource({}, spill_dir=str(tmp_path)), timeout=5)
+    nparts, ninputs, values = 4 * host.RELEASE_GROUPS, 3, 1000
+    for i in range(ninputs):
+        s.insert(i, {p: _piece([1000 * i + p] * values) for p in range(nparts)})
+    s.barrier(nparts)
+    piece = 8 * values
+    assert s.postbox.nbytes == ninputs * (nparts * piece + host.RELEASE_GROUPS)  # one metadata per chunk
+    held = []
+    for p in range(nparts):
+        got = s.extract(p)
+        assert [int(np.frombuffer(g.data, np.int64)[0]) for g in got] == [1000 * i + p for i in range(ninputs)]
+        held.append(s.postbox.nbytes)
+    # Every 4th extract frees one chunk of each input: 4 partitions' pieces and the chunk's metadata.
+    group = nparts // host.RELEASE_GROUPS
+    assert held == [ninputs * (host.RELEASE_GROUPS - (p + 1) // group) * (group * piece + 1) for p in range(nparts)]
+    assert s.closed
+    comm.close()
 
 
 def test_chunk_frames_of_a_table_round_trip_through_the_postbox(tmp_path: Any) -> None:

@@ -65,6 +65,19 @@ logger = logging.getLogger(__name__)
 
 TAG = "mps"
 
+#: An insert's pieces for one destination go in up to this many chunks, each a
+#: range of neighbouring partitions (pieces are in partition order), so the
+#: receiver's postbox frees a chunk once its range is extracted instead of
+#: holding every received chunk until the rank's last extract.
+RELEASE_GROUPS = 8
+#: No chunk is cut smaller than this (bytes) for :data:`RELEASE_GROUPS`: a
+#: message costs a send, a receive and, between ranks of one host, a
+#: shared-memory file (:data:`~mpshuffle.comm._shm.MIN_BYTES`, below which a
+#: message takes the socket). So an insert into many small partitions still
+#: sends one chunk per destination, and the number of chunks stays linear in
+#: bytes, not in partitions.
+RELEASE_MIN_BYTES = 256 * 2**10
+
 
 class Shuffler(Run):
     """One rank's state of one host run (see :class:`~mpshuffle.shuffler.run.Run` for the lifecycle).
@@ -455,10 +468,13 @@ def _batches(table: PieceTable, nranks: int, batch_bytes: int) -> list[tuple[int
 
     Pieces go to their partition's owner
     (:func:`~mpshuffle.table.hashing.partition_owners`), in table order; a chunk
-    closes at the piece that brings it to ``batch_bytes``. Closed chunks are
-    sent in the order they closed (the order a loop over the pieces would
-    send them, so the destinations take turns), the rest after, by
-    destination.
+    closes at the piece that brings it to its destination's chunk size
+    (:func:`_chunk_bytes`: ``batch_bytes`` at most, and about an
+    :data:`RELEASE_GROUPS`-th of the bytes the destination gets, so that with
+    the table in partition order each chunk is a range of partitions the
+    receiver frees once that range is extracted). Closed chunks are sent in
+    the order they closed (the order a loop over the pieces would send them,
+    so the destinations take turns), the rest after, by destination.
     """
     n = len(table)
     if n == 0:
@@ -474,10 +490,11 @@ def _batches(table: PieceTable, nranks: int, batch_bytes: int) -> list[tuple[int
         ix = by_dest[lo:hi]
         d = int(sorted_dest[lo])
         total = np.cumsum(size[ix])
+        target = _chunk_bytes(int(total[-1]), batch_bytes)
         start = 0
         while start < len(ix):
             before = int(total[start - 1]) if start else 0
-            end = int(np.searchsorted(total, before + batch_bytes, side="left"))  # the piece reaching it
+            end = int(np.searchsorted(total, before + target, side="left"))  # the piece reaching it
             if end >= len(ix):
                 rest.append((int(ix[start]), d, ix[start:]))
                 break
@@ -486,6 +503,18 @@ def _batches(table: PieceTable, nranks: int, batch_bytes: int) -> list[tuple[int
     closed.sort(key=lambda c: c[0])
     rest.sort(key=lambda c: c[1])
     return [(d, ix) for _, d, ix in closed + rest]
+
+
+def _chunk_bytes(nbytes: int, batch_bytes: int) -> int:
+    """Bytes at which a chunk of an insert's ``nbytes`` for one destination closes.
+
+    ``nbytes`` split in :data:`RELEASE_GROUPS` (rounded up), but not below
+    :data:`RELEASE_MIN_BYTES` and not above ``batch_bytes``: at most
+    ``RELEASE_GROUPS`` chunks, or one per ``batch_bytes``, whichever is more;
+    one chunk when ``nbytes`` is under ``RELEASE_MIN_BYTES``. A ``batch_bytes``
+    below ``RELEASE_MIN_BYTES`` is taken as given.
+    """
+    return min(batch_bytes, max(RELEASE_MIN_BYTES, -(-nbytes // RELEASE_GROUPS)))
 
 
 def _chunk_frames(
