@@ -55,3 +55,33 @@ def test_extracts_of_a_run_made_before_its_graph_are_pinned(client: Client) -> N
     for j, part in enumerate(parts):
         if len(part):
             assert set(partition_ids(part[["k"]], nout).tolist()) == {j}
+
+
+def _extract_priorities(dask_scheduler: Any, extract_name: str, n: int) -> list[Any]:
+    return [dask_scheduler.tasks[(extract_name, j)].priority for j in range(n)]
+
+
+def test_extracts_get_their_priorities_in_partition_order(client: Client) -> None:
+    """Dask's priorities among a run's extracts go to them by partition id, so each worker extracts in order.
+
+    A rank frees a received chunk once every partition it holds was extracted,
+    and chunks hold ranges of neighbouring partitions; in Dask's own order
+    (``dask.order`` gives these siblings no partition order) the chunks were
+    freed only at the end.
+    """
+    import dask
+
+    bootstrap_dask_cluster(client)
+    pdf = pd.DataFrame({"k": np.arange(6000) % 211, "v": np.arange(6000)})
+    a = dd.from_pandas(pdf, npartitions=6).persist()
+    wait(a)
+    nout = 24
+    with dask.config.set({"dataframe.shuffle.method": "mpshuffle"}):
+        out = a.shuffle("k", npartitions=nout, ignore_index=True).optimize()
+    extract_name = out.__dask_keys__()[0][0]
+    out = out.persist()
+    wait(out)
+    priorities = client.run_on_scheduler(_extract_priorities, extract_name=extract_name, n=nout)
+    assert priorities == sorted(priorities) and len(set(priorities)) == nout
+    got = pd.concat(client.compute(out.to_delayed(), sync=True), ignore_index=True)
+    pd.testing.assert_frame_equal(got.sort_values("v", ignore_index=True), pdf)

@@ -42,7 +42,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -381,6 +381,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 run, tasks.__contains__,
                 lambda key: key in tasks and tasks[key].state in ("released", "waiting", "no-worker"),
             ))
+            _order_extracts(run, tasks)
             return self._describe(run)
 
     @staticmethod
@@ -521,6 +522,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         for run in self.runs.values():
             if run.error is None:
                 restrictions.update(_pins(run, touched.__contains__, touched.__contains__))
+                if any(key in touched for key in run.extract_keys):
+                    _order_extracts(run, scheduler.tasks)
         if restrictions:
             scheduler.set_restrictions(restrictions)
 
@@ -646,6 +649,27 @@ def _extract_name(barrier_ts: Any, default: str) -> str:
             if isinstance(dts.key, tuple) and len(dts.key) == 2:
                 return str(dts.key[0])
     return default
+
+
+def _order_extracts(run: _Run, tasks: Mapping[Any, Any]) -> None:
+    """Give ``run``'s pending extract tasks their priorities again, in partition order.
+
+    Dask's priorities (``dask.order``) for the extract tasks, siblings of one
+    barrier, come out in no particular partition order; a rank's postbox
+    frees a received chunk once every partition it holds was extracted, and
+    the senders cut each destination's chunks into ranges of neighbouring
+    partitions (:data:`mpshuffle.shuffler.host.RELEASE_GROUPS`), so extracts
+    in partition order give memory back as they go instead of at the end.
+    The extracts keep the same priority values between them (so they stand
+    where Dask placed them among other tasks); only which extract gets which
+    changes. Extracts that already run or ran are left as they are.
+    """
+    pending = [
+        ts for ts in (tasks.get(key) for key in run.extract_keys)
+        if ts is not None and ts.priority is not None and ts.state in ("released", "waiting", "no-worker")
+    ]
+    for ts, priority in zip(pending, sorted(ts.priority for ts in pending), strict=True):
+        ts.priority = priority
 
 
 def _pins(
