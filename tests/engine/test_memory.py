@@ -376,22 +376,26 @@ def test_batches_follow_the_owner_rule_and_close_at_batch_bytes() -> None:
     assert _batches(_table({}), 3, 40) == []
 
 
-def test_batches_cut_each_destination_into_ranges_of_partitions() -> None:
+def test_batches_cut_each_destination_into_ranges_of_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
     """An insert's pieces for one rank go in RELEASE_GROUPS chunks, each a range of neighbouring partitions."""
-    piece_values = host.RELEASE_MIN_BYTES // 8  # pieces of RELEASE_MIN_BYTES: each group reaches the floor
+    monkeypatch.setattr(host, "RELEASE_MIN_BYTES", 1024)
     nparts, nranks = 4 * host.RELEASE_GROUPS * 2, 2  # 4 partitions per group per rank
-    t = _table({p: [p] * piece_values for p in range(nparts)})
+    t = _table({p: [p] * 128 for p in range(nparts)})  # pieces of 1024 bytes
     batches = _batches(t, nranks, 2**30)
     for dest in range(nranks):
         ranges = [t.pids[ix].tolist() for d, ix in batches if d == dest]
-        assert len(ranges) == host.RELEASE_GROUPS
         owned = list(range(dest, nparts, nranks))
         assert ranges == [owned[4 * g : 4 * g + 4] for g in range(host.RELEASE_GROUPS)]
     # batch_bytes still caps a chunk: one piece each.
-    assert len(_batches(t, nranks, host.RELEASE_MIN_BYTES)) == nparts
-    # An insert under RELEASE_MIN_BYTES per rank: one chunk per rank, whatever its partitions.
-    small = _table({p: [p] for p in range(1000)})
-    assert [(d, len(ix)) for d, ix in _batches(small, nranks, 2**30)] == [(0, 500), (1, 500)]
+    assert len(_batches(t, nranks, 1024)) == nparts
+    # Fewer groups where they would be under RELEASE_MIN_BYTES: 2.5 KiB per rank, two groups of
+    # 1280 bytes (a chunk closes at the piece that reaches it).
+    few = _table({p: [p] * 64 for p in range(10)})  # pieces of 512 bytes
+    assert [(d, few.pids[ix].tolist()) for d, ix in _batches(few, nranks, 2**30)] == [
+        (0, [0, 2, 4]), (1, [1, 3, 5]), (0, [6, 8]), (1, [7, 9])]
+    # Under RELEASE_MIN_BYTES per rank: one chunk per rank, whatever its number of partitions.
+    small = _table({p: [p] for p in range(100)})
+    assert [(d, len(ix)) for d, ix in _batches(small, nranks, 2**30)] == [(0, 50), (1, 50)]
 
 
 def test_a_chunk_and_its_memory_go_once_its_partitions_are_popped(tmp_path: Any) -> None:
