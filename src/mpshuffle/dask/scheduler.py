@@ -20,7 +20,9 @@ It is the one owner of the cluster-wide state of mpshuffle:
   the worker of the rank owning its output partition, with
   :meth:`distributed.Scheduler.set_restrictions` (Dask's DataFrame
   collections ignore annotations, so restrictions are set here, as Dask's
-  own P2P shuffle does);
+  own P2P shuffle does); the run's extract tasks get Dask's priorities
+  among them again in partition order, so each rank extracts in that order
+  and frees its received chunks (ranges of partitions) as it goes;
 * restarts: when a worker of a run's generation leaves, the run is failed on
   the other ranks and its tasks are released, so that Dask computes the
   shuffle again on a new generation of the remaining workers (as Dask's P2P

@@ -18,9 +18,12 @@ position, so output rows come in a deterministic order.
 Message tags: ``("mps", op_id, kind)`` with kind ``"chunk"``, ``"finish"``,
 ``"inputs-done"`` or ``"inputs-done-ack"``.
 
-A chunk is the pieces of one input partition for one destination, as one
-message whatever their number: a small header (every piece's partition,
-row count, metadata and byte range as arrays), each distinct metadata once
+A chunk is pieces of one input partition for one destination, a range of
+neighbouring partitions (an insert cuts a destination's pieces in a few
+such ranges, :data:`RELEASE_GROUPS`, so the receiver frees each once its
+range is extracted), as one message whatever their number: a small header
+(every piece's partition, row count, metadata and byte range as arrays),
+each distinct metadata once
 (the pieces of one insert share theirs), then the data as few frames as
 the pieces' memory allows (the pieces :func:`~mpshuffle.table._columns.pack`
 writes for one destination are one contiguous range: one frame). So
