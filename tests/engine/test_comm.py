@@ -163,3 +163,35 @@ def test_work_queued_when_the_loop_cannot_be_woken_fails_and_is_closed() -> None
     assert _outcome(comm.send_nowait(0, ("t", 1), [b"x"])) == "sent"
     assert got == [1]
     comm.close()
+
+
+def test_a_start_that_fails_does_not_strand_the_work_queued_after_it() -> None:
+    """Queued work starts one after another on one wake-up; a start that raises fails only its own call."""
+    comm = LocalCommunicator()
+    got: list[Any] = []
+    comm.register_handler("t", lambda src, tag, frames: got.append(tag[1]))
+    busy, release = threading.Event(), threading.Event()
+    comm.loop.call_soon_threadsafe(lambda: (busy.set(), release.wait(5)))
+    assert busy.wait(5)
+    real = comm.loop.create_task
+    calls = 0
+
+    def once_broken(coro: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            coro.close()
+            raise RuntimeError("broken")
+        return real(coro)
+
+    comm.loop.create_task = once_broken  # type: ignore[method-assign]
+    try:
+        futures = [comm.send_nowait(0, ("t", i), [b"x"]) for i in range(3)]
+        release.set()
+        with pytest.raises(CommError, match="broken"):
+            futures[0].result(timeout=5)
+        assert [_outcome(f) for f in futures[1:]] == ["sent", "sent"]
+    finally:
+        comm.loop.create_task = real  # type: ignore[method-assign]
+    assert got == [1, 2]
+    comm.close()

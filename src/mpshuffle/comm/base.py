@@ -413,8 +413,15 @@ class Communicator(abc.ABC):
         """On the progress thread: start, in submission order, the work queued by :meth:`_submit`."""
         with self._lock:
             queued, self._starts, self._wake_pending = self._starts, collections.deque(), False
-        for _, start, _ in queued:
-            start()
+        for outer, start, what in queued:
+            # One start that fails must not strand those queued after it (each
+            # had a wake-up of its own before): its caller gets the error.
+            try:
+                start()
+            except Exception as e:  # noqa: BLE001 - handed to the caller's future
+                logger.warning("mpshuffle: rank %d: could not %s: %s", self.rank, what, e)
+                if not outer.done():
+                    outer.set_exception(CommError(f"rank {self.rank}: cannot {what}: {e}"))
 
     def _cancel_if_cancelled(self, task: asyncio.Task[Any], outer: concurrent.futures.Future[Any]) -> None:
         # The caller gave up (an awaiting task was cancelled): so does the work.
