@@ -234,6 +234,10 @@ def test_grid_cuts_go_straight_into_kept_and_sent_pieces(per_partition: int, nra
             if sent:
                 lo, hi = sent[0].parent.address, sent[0].parent.address + sent[0].parent.size
                 assert all(d.address + d.size <= lo or d.address >= hi for d in kept)  # each kept one is apart
+            # The kept pieces share one buffer of their own: no pool block (64 KiB at least) per piece.
+            assert len({d.parent.address for d in kept}) <= 1
+            if kept:
+                assert kept[0].parent.size < 2 * sum(d.size for d in kept)
             for pid, piece in pieces.items():
                 if pid % nranks == rank:
                     by_pid.setdefault(pid, []).append(piece)
@@ -242,3 +246,4 @@ def test_grid_cuts_go_straight_into_kept_and_sent_pieces(per_partition: int, nra
     for b in range(9):
         j1, j2 = divmod(b, 3)
         np.testing.assert_array_equal(got[b], full[:, 2 * j1 : 2 * j1 + 2, 2 * j2 : 2 * j2 + 2])
+
