@@ -127,9 +127,13 @@ def _one(
     cpu0 = _cpu(pids)
     tl = Timeline(client, timeline, echo=True).start() if timeline else None
     t0 = time.perf_counter()
+    failed = None
     with sampler.sample(label, measure="process", interval=0.1):
         if case == "out-of-core":
-            bad = int(client.compute(check(y)).result())
+            try:
+                bad = int(client.compute(check(y)).result())
+            except Exception as e:  # noqa: BLE001 -- a method that fails (workers killed) is a result too
+                failed, bad = f"{type(e).__name__}: {e}"[:400], 0
         else:
             z = y.persist()
             wait(z)
@@ -138,6 +142,16 @@ def _one(
         seconds = time.perf_counter() - t0
     cpu = _cpu(pids) - cpu0
     samples = tl.stop() if tl is not None else []
+    if failed is not None:
+        series = sampler.to_pandas()[label].dropna()
+        print(f"{case} with {method} failed after {seconds:.1f} s: {failed}", flush=True)
+        # Fresh workers (and mpshuffle's generation on them) for the next run.
+        client.restart()
+        mpshuffle.dask.bootstrap_dask_cluster(client)
+        pids[:] = list(client.run(os.getpid).values())
+        return {"method": method, "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 2),
+                "peak_bytes": int(series.max()), "failed": failed, "checked": False,
+                "at_peak_rss": summary(samples) if samples else {}}
     if case != "out-of-core":
         bad = int(client.compute(check(z)).result())
         del z
@@ -149,7 +163,7 @@ def _one(
         "peak_bytes": int(series.max()), "start_bytes": int(series.iloc[0]), "checked": True,
     }
     if samples:
-        row["timeline"] = samples
+        row["timeline"] = samples[::3]  # every third sample, to keep the JSON small
         row["at_peak_rss"] = summary(samples)
     return row
 
@@ -171,6 +185,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         pids = list(client.run(os.getpid).values())
         mpshuffle.dask.bootstrap_dask_cluster(client)
         budgets: list[Any] = []
+        seen: set[tuple[Any, ...]] = set()
         sampler = MemorySampler()
         # Untimed warm-up of each method on a small array.
         warm = source((8, 40, 40), (1, 40, 40)).persist()
@@ -191,9 +206,11 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
             for m in order:
                 row = _one(client, case, m, x, target, pids, sampler, f"{case}-{m}-{r}", args.timeline)
                 row["round"] = r
-                if m == "mpshuffle":
+                if m == "mpshuffle" and not row.get("failed"):
                     stats = mpshuffle.dask.gather_statistics(client)
-                    runs = [s for per in stats.values() for s in per]
+                    runs = [s for per in stats.values() for s in per
+                            if (s["generation"], s["op_id"], s["rank"]) not in seen]  # this run's only
+                    seen.update((s["generation"], s["op_id"], s["rank"]) for s in runs)
                     row["bytes_spilled_disk"] = sum(s["bytes_spilled_disk"] for s in runs)
                     budgets = sorted({s["options"]["host_budget"] for s in runs if s.get("options")})
                 rows.append(row)
@@ -201,7 +218,10 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                       f"peak {row['peak_bytes'] / 2**30:5.2f} GiB", flush=True)
     summary: dict[str, Any] = {}
     for m in methods:
-        mine = [r for r in rows if r["method"] == m]
+        mine = [r for r in rows if r["method"] == m and not r.get("failed")]
+        if not mine:
+            summary[m] = {"failed": [r["failed"] for r in rows if r["method"] == m]}
+            continue
         secs = [r["seconds"] for r in mine]
         peaks = [r["peak_bytes"] for r in mine]
         summary[m] = {
@@ -209,16 +229,15 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
             "peak_gib": {"min": round(min(peaks) / 2**30, 2), "median": round(statistics.median(peaks) / 2**30, 2),
                          "max": round(max(peaks) / 2**30, 2)},
             "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in mine),
+            "failed_runs": sum(1 for r in rows if r["method"] == m and r.get("failed")),
         }
     for m in (m for m in methods if m != "mpshuffle"):
         # Per round, the other method's time over mpshuffle's (pairs from the same round).
-        ratios = [
-            next(r["seconds"] for r in rows if r["method"] == m and r["round"] == k)
-            / next(r["seconds"] for r in rows if r["method"] == "mpshuffle" and r["round"] == k)
-            for k in range(args.repeat)
-        ]
-        summary[f"x_{m}"] = {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2),
-                             "max": round(max(ratios), 2)}
+        ok = {(r["method"], r["round"]): r["seconds"] for r in rows if not r.get("failed")}
+        ratios = [ok[m, k] / ok["mpshuffle", k] for k in range(args.repeat) if (m, k) in ok and ("mpshuffle", k) in ok]
+        if ratios:
+            summary[f"x_{m}"] = {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2),
+                                 "max": round(max(ratios), 2)}
     return {
         "case": case, "shape": list(shape), "dtype": "float32", "bytes": int(np.prod(shape)) * 4,
         "memory_limit_per_worker": limit, "host_budget_per_worker": budgets, "rows": rows, "summary": summary,
