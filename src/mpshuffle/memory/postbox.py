@@ -235,6 +235,12 @@ class Postbox:
         Moved chunks are read back by range at their extracts, as chunks
         spilled on arrival are. Pieces already popped are not affected.
 
+        Returns
+        -------
+        int
+            Bytes written to the spill file (the chunks' frames, whole; 0 if
+            nothing was held in memory).
+
         Raises
         ------
         SpillError

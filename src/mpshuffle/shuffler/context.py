@@ -297,8 +297,12 @@ class WorkerContext:
         """Move what this rank's host runs hold in memory to disk, and give the pool's free blocks back.
 
         What a worker does when its memory manager paused it (see
-        :meth:`mpshuffle.memory.postbox.Postbox.move_to_disk`). Returns the
-        bytes freed (chunks moved plus pool blocks given back).
+        :meth:`mpshuffle.memory.postbox.Postbox.move_to_disk`).
+
+        Returns
+        -------
+        int
+            Bytes freed: the chunks moved plus the pool's free blocks given back.
         """
         with self._lock:
             runs = list(self.shufflers.values())

@@ -391,6 +391,11 @@ class Shuffler(Run):
 
         See :meth:`mpshuffle.memory.postbox.Postbox.move_to_disk`. A failed
         write fails the run (its error names the disk).
+
+        Returns
+        -------
+        int
+            Bytes moved; 0 if the run failed, closed or held nothing in memory.
         """
         if self._error is not None or self._closed:
             return 0
