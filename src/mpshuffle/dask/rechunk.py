@@ -35,8 +35,9 @@ assembly of its input blocks' slices. A group with several of both is one
 mpshuffle run (:func:`mpshuffle.dask.graph.insert` / ``barrier`` /
 ``extract`` with a :class:`~mpshuffle.table.ndarray.NDArrayAdapter`): each
 input block's insert task cuts it into one cut per output block it
-overlaps and sends, per output *partition* (:data:`PARTITION_BYTES` of
-consecutive output blocks), one piece holding its cuts for that partition's
+overlaps and sends, per output *partition* (:func:`partition_bytes` of
+consecutive output blocks: 64 MiB, less on workers with a small host
+budget), one piece holding its cuts for that partition's
 blocks to the partition's owner; each partition's extract task assembles
 its blocks once, and each output block is a task that takes its block from
 its partition's result. All keys start with ``mpshuffle-rechunk``; the
