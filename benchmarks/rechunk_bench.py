@@ -50,6 +50,11 @@ from distributed.diagnostics import MemorySampler
 import mpshuffle
 import mpshuffle.dask
 
+try:
+    from memory_timeline import Timeline, summary
+except ImportError:  # run as a module from elsewhere
+    from benchmarks.memory_timeline import Timeline, summary
+
 METHODS = ("mpshuffle", "p2p", "tasks")
 RESULTS = Path(__file__).resolve().parent / "results"
 _MOD = 2**24  # values stay exact in float32
@@ -58,10 +63,25 @@ _MOD = 2**24  # values stay exact in float32
 def _values(location: list[tuple[int, int]]) -> np.ndarray:
     """The elements of the array's region ``location``: ``(7919 t + 31 y + x) mod 2**24``, float32."""
     (t0, t1), (y0, y1), (x0, x1) = location
-    t = np.arange(t0, t1, dtype=np.int64)[:, None, None] * 7919
-    y = np.arange(y0, y1, dtype=np.int64)[None, :, None] * 31
-    x = np.arange(x0, x1, dtype=np.int64)[None, None, :]
-    return ((t + y + x) % _MOD).astype(np.float32)
+    out = np.empty((t1 - t0, y1 - y0, x1 - x0), np.float32)
+    for t, yx in _slabs(location):
+        out[t - t0] = yx
+    return out
+
+
+def _slabs(location: list[tuple[int, int]]) -> Any:
+    """``(t, values of the (y, x) plane at t)`` over the region, one plane at a time.
+
+    The plane's ``31 y + x`` (int64, < 2**24 for the sides used here) is made
+    once; each plane costs one add, one modulo and one cast of ``(y, x)``
+    elements, so a check or fill holds a plane's temporaries, never an int64
+    copy of the whole block (8 bytes per element, twice: that was ~80 MB per
+    15 MB block of the out-of-core case, on workers of 1 GiB).
+    """
+    (t0, t1), (y0, y1), (x0, x1) = location
+    plane = np.arange(y0, y1, dtype=np.int64)[:, None] * 31 + np.arange(x0, x1, dtype=np.int64)[None, :]
+    for t in range(t0, t1):
+        yield t, ((plane + 7919 * t) % _MOD).astype(np.float32)
 
 
 def _fill(block: np.ndarray, block_info: Any = None) -> np.ndarray:
@@ -69,7 +89,8 @@ def _fill(block: np.ndarray, block_info: Any = None) -> np.ndarray:
 
 
 def _mismatches(block: np.ndarray, block_info: Any = None) -> np.ndarray:
-    bad = int(np.count_nonzero(block != _values(block_info[0]["array-location"])))
+    (t0, _), _, _ = location = block_info[0]["array-location"]
+    bad = sum(int(np.count_nonzero(block[t - t0] != yx)) for t, yx in _slabs(location))
     return np.full((1, 1, 1), bad, dtype=np.int64)
 
 
@@ -97,17 +118,22 @@ def _cpu(pids: list[int]) -> float:
 
 def _one(
     client: Client, case: str, method: str, x: da.Array, target: tuple[int, ...], pids: list[int],
-    sampler: MemorySampler, label: str,
+    sampler: MemorySampler, label: str, timeline: float = 0.0,
 ) -> dict[str, Any]:
     want = x.rechunk(target, method="tasks").chunks
     with dask.config.set({"array.rechunk.method": method}):
         y = x.rechunk(target)
     assert y.chunks == want, (method, y.chunks, want)
     cpu0 = _cpu(pids)
+    tl = Timeline(client, timeline, echo=True).start() if timeline else None
     t0 = time.perf_counter()
+    failed = None
     with sampler.sample(label, measure="process", interval=0.1):
         if case == "out-of-core":
-            bad = int(client.compute(check(y)).result())
+            try:
+                bad = int(client.compute(check(y)).result())
+            except Exception as e:  # noqa: BLE001 -- a method that fails (workers killed) is a result too
+                failed, bad = f"{type(e).__name__}: {e}"[:400], 0
         else:
             z = y.persist()
             wait(z)
@@ -115,16 +141,32 @@ def _one(
     if case == "out-of-core":
         seconds = time.perf_counter() - t0
     cpu = _cpu(pids) - cpu0
+    samples = tl.stop() if tl is not None else []
+    if failed is not None:
+        series = sampler.to_pandas()[label].dropna()
+        print(f"{case} with {method} failed after {seconds:.1f} s: {failed}", flush=True)
+        # Fresh workers (and mpshuffle's generation on them) for the next run.
+        client.restart()
+        mpshuffle.dask.bootstrap_dask_cluster(client)
+        pids[:] = list(client.run(os.getpid).values())
+        # CPU seconds are not known: the workers that died took theirs with them.
+        return {"method": method, "seconds": round(seconds, 3), "cpu_seconds": None,
+                "peak_bytes": int(series.max()), "failed": failed, "checked": False,
+                "at_peak_rss": summary(samples) if samples else {}}
     if case != "out-of-core":
         bad = int(client.compute(check(z)).result())
         del z
     if bad:
         raise SystemExit(f"{case} with {method}: {bad} wrong elements")
     series = sampler.to_pandas()[label].dropna()
-    return {
+    row = {
         "method": method, "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 2),
         "peak_bytes": int(series.max()), "start_bytes": int(series.iloc[0]), "checked": True,
     }
+    if samples:
+        row["timeline"] = samples[::3]  # every third sample, to keep the JSON small
+        row["at_peak_rss"] = summary(samples)
+    return row
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -144,6 +186,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         pids = list(client.run(os.getpid).values())
         mpshuffle.dask.bootstrap_dask_cluster(client)
         budgets: list[Any] = []
+        seen: set[tuple[Any, ...]] = set()
         sampler = MemorySampler()
         # Untimed warm-up of each method on a small array.
         warm = source((8, 40, 40), (1, 40, 40)).persist()
@@ -162,19 +205,24 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
         for r in range(args.repeat):
             order = methods[r % len(methods) :] + methods[: r % len(methods)]
             for m in order:
-                row = _one(client, case, m, x, target, pids, sampler, f"{case}-{m}-{r}")
+                row = _one(client, case, m, x, target, pids, sampler, f"{case}-{m}-{r}", args.timeline)
                 row["round"] = r
-                if m == "mpshuffle":
+                if m == "mpshuffle" and not row.get("failed"):
                     stats = mpshuffle.dask.gather_statistics(client)
-                    runs = [s for per in stats.values() for s in per]
+                    runs = [s for per in stats.values() for s in per
+                            if (s["generation"], s["op_id"], s["rank"]) not in seen]  # this run's only
+                    seen.update((s["generation"], s["op_id"], s["rank"]) for s in runs)
                     row["bytes_spilled_disk"] = sum(s["bytes_spilled_disk"] for s in runs)
                     budgets = sorted({s["options"]["host_budget"] for s in runs if s.get("options")})
                 rows.append(row)
-                print(f"{case:14s} round {r} {m:9s} {row['seconds']:7.2f} s  cpu {row['cpu_seconds']:6.1f} s  "
+                print(f"{case:14s} round {r} {m:9s} {row['seconds']:7.2f} s  cpu {row['cpu_seconds'] or 0:6.1f} s  "
                       f"peak {row['peak_bytes'] / 2**30:5.2f} GiB", flush=True)
     summary: dict[str, Any] = {}
     for m in methods:
-        mine = [r for r in rows if r["method"] == m]
+        mine = [r for r in rows if r["method"] == m and not r.get("failed")]
+        if not mine:
+            summary[m] = {"failed": [r["failed"] for r in rows if r["method"] == m]}
+            continue
         secs = [r["seconds"] for r in mine]
         peaks = [r["peak_bytes"] for r in mine]
         summary[m] = {
@@ -182,16 +230,15 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
             "peak_gib": {"min": round(min(peaks) / 2**30, 2), "median": round(statistics.median(peaks) / 2**30, 2),
                          "max": round(max(peaks) / 2**30, 2)},
             "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in mine),
+            "failed_runs": sum(1 for r in rows if r["method"] == m and r.get("failed")),
         }
     for m in (m for m in methods if m != "mpshuffle"):
         # Per round, the other method's time over mpshuffle's (pairs from the same round).
-        ratios = [
-            next(r["seconds"] for r in rows if r["method"] == m and r["round"] == k)
-            / next(r["seconds"] for r in rows if r["method"] == "mpshuffle" and r["round"] == k)
-            for k in range(args.repeat)
-        ]
-        summary[f"x_{m}"] = {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2),
-                             "max": round(max(ratios), 2)}
+        ok = {(r["method"], r["round"]): r["seconds"] for r in rows if not r.get("failed")}
+        ratios = [ok[m, k] / ok["mpshuffle", k] for k in range(args.repeat) if (m, k) in ok and ("mpshuffle", k) in ok]
+        if ratios:
+            summary[f"x_{m}"] = {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2),
+                                 "max": round(max(ratios), 2)}
     return {
         "case": case, "shape": list(shape), "dtype": "float32", "bytes": int(np.prod(shape)) * 4,
         "memory_limit_per_worker": limit, "host_budget_per_worker": budgets, "rows": rows, "summary": summary,
@@ -209,6 +256,8 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=3.0, help="out-of-core array / workers' memory")
     parser.add_argument("--cases", default="time-to-space,space-to-time,out-of-core")
     parser.add_argument("--methods", default=",".join(METHODS), help="methods to alternate (mpshuffle first)")
+    parser.add_argument("--timeline", type=float, default=0.0,
+                        help="sample every worker's memory every this many seconds (memory_timeline.py); 0: off")
     parser.add_argument("--name", default="rechunk")
     parser.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
     args = parser.parse_args()

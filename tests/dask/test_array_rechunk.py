@@ -208,6 +208,23 @@ def test_past_the_budget_it_spills_and_cleans_up(tiny_budget: LocalRuntime, tmp_
     assert os.listdir(tmp_path) == []
 
 
+def test_partitions_are_an_eighth_of_the_smallest_host_budget() -> None:
+    """An output partition is sized from the workers' host budget, not a fixed 64 MiB."""
+    from mpshuffle.options import Options
+
+    small = {"memory_limit": 2**30, "metrics": {"memory": 300_000_000}}
+    big = {"memory_limit": 16 * 2**30, "metrics": {"memory": 300_000_000}}
+    fractions = {"distributed.worker.memory.spill": 0.7, "distributed.worker.memory.pause": 0.8}
+    with dask.config.set(fractions):
+        # Budget min(0.25 GiB, (0.7 GiB - 300 MB) // 2) = 225,809,638 bytes; an eighth of it.
+        assert rechunk_module.partition_bytes(Options(), [big, small]) == 225_809_638 // 8
+        assert rechunk_module.partition_bytes(Options(), [big]) == rechunk_module.PARTITION_BYTES
+        assert rechunk_module.partition_bytes(Options(spill_host=80 * 2**20), [big]) == 10 * 2**20
+        assert rechunk_module.partition_bytes(Options(spill_host=2**20), [big]) == 2**20  # 1 MiB at least
+    assert rechunk_module.partition_bytes(Options(), [{"memory_limit": 0}]) == rechunk_module.PARTITION_BYTES
+    assert rechunk_module.partition_bytes(Options(), []) == rechunk_module.PARTITION_BYTES
+
+
 # -- on a LocalCluster ----------------------------------------------------
 
 
@@ -226,6 +243,19 @@ def test_distributed_client_and_recompute(client: Client) -> None:
     runs = [r for rs in gather_statistics(client).values() for r in rs if r["generation"] == gen.id]
     assert len({r["op_id"] for r in runs}) >= 3
     assert sum(r["bytes_sent"] for r in runs) > 0  # pieces crossed between the two workers
+    state = client.run(worker_state)
+    assert all(s["shufflers"] == [] and s["spill"] == [] for s in state.values()), state
+
+
+def test_small_host_budget_makes_small_partitions(client: Client) -> None:
+    """With an 8 MiB budget an 8 MiB rechunk has 1 MiB partitions (8 extracts, not 4), and exact values."""
+    bootstrap_dask_cluster(client)
+    x = da.random.default_rng(7).random((64, 128, 256), chunks=(1, 128, 256)).astype("f4")  # 8 MiB
+    with dask.config.set({**MP, "mpshuffle.spill_host": 8 * 2**20}):
+        y = x.rechunk((64, 16, 32))  # 64 output blocks of 128 KiB
+    extracts = {k for k in y.__dask_graph__() if isinstance(k, tuple) and "-extract-" in k[0]}
+    assert len(extracts) == 8  # 8 MiB in partitions of 8 MiB / 8, 8 blocks each
+    np.testing.assert_array_equal(y.compute(), x.compute())
     state = client.run(worker_state)
     assert all(s["shufflers"] == [] and s["spill"] == [] for s in state.values()), state
 

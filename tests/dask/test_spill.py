@@ -204,3 +204,49 @@ def test_dasks_ceiling_is_the_lower_of_its_spill_and_pause_fractions() -> None:
     assert _dask_ceiling(SimpleNamespace(memory_spill_fraction=0.7, memory_pause_fraction=0.8)) == 0.7
     assert _dask_ceiling(SimpleNamespace(memory_spill_fraction=False, memory_pause_fraction=0.8)) == 0.8
     assert _dask_ceiling(SimpleNamespace(memory_spill_fraction=False, memory_pause_fraction=False)) is None
+
+
+def test_a_paused_worker_moves_its_runs_memory_to_disk(tmp_path: Any) -> None:
+    """Dask starts no task on a paused worker: the plugin moves what the runs hold in memory to disk."""
+    import asyncio
+    import types
+
+    from distributed.core import Status
+
+    from mpshuffle.comm import LocalCommunicator
+    from mpshuffle.dask.worker import ShuffleWorkerPlugin
+    from mpshuffle.memory.resource import MemoryType
+    from mpshuffle.shuffler.context import WorkerContext
+    from mpshuffle.table.ndarray import BlockPlan, NDArrayAdapter
+
+    options = resolve_options(spill_host=2**20, spill_dir=str(tmp_path))
+    ctx = WorkerContext(LocalCommunicator(), "gen", options, workers=("w0",))
+    plugin = ShuffleWorkerPlugin()
+    plugin.worker = types.SimpleNamespace(status=Status.running, address="w0")  # type: ignore[assignment]
+    plugin.contexts, plugin.current, plugin._moving = {"gen": ctx}, "gen", False
+    try:
+        full = np.arange(4 * 8 * 8, dtype="f8").reshape(4, 8, 8)
+        halves = (((0, 0, 4, 0), (1, 4, 8, 0)),)  # one input block per axis, cut in two
+        plan = BlockPlan(cuts=(tuple(((0, 0, 1, t),) for t in range(4)), halves, halves), nout=(1, 2, 2))
+        run = ctx.shuffler(1)
+        for t in range(4):
+            run.insert_frame(t, full[t : t + 1], NDArrayAdapter(full.dtype, plan, (t, 0, 0)), (), 4)
+        run.barrier(4)
+        held = ctx.resource.used(MemoryType.HOST)
+        assert held > 0 and run.statistics["bytes_spilled_disk"] == 0
+        asyncio.run(plugin._when_paused())  # running: nothing moves
+        assert ctx.resource.used(MemoryType.HOST) == held
+        plugin.worker.status = Status.paused  # type: ignore[union-attr]
+        asyncio.run(plugin._when_paused())
+        assert ctx.resource.used(MemoryType.HOST) == 0
+        assert run.statistics["bytes_spilled_disk"] == ctx.resource.used(MemoryType.DISK) > 0
+        out = NDArrayAdapter(full.dtype)
+        got = {b: a for pid in range(4) for b, a in out.unpack(run.extract(pid), None).items()}
+        for b in range(4):
+            j1, j2 = divmod(b, 2)
+            np.testing.assert_array_equal(got[b], full[:, 4 * j1 : 4 * j1 + 4, 4 * j2 : 4 * j2 + 4])
+        assert run.statistics["bytes_unspilled_disk"] == run.statistics["bytes_spilled_disk"]
+        assert run.closed and ctx.shufflers == {}
+    finally:
+        ctx.close()
+    assert os.listdir(tmp_path) == []

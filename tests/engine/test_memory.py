@@ -81,6 +81,30 @@ def test_postbox_keeps_within_budget_and_spills_the_rest(tmp_path: Any) -> None:
     assert res.used(MemoryType.HOST) == 0 and res.used(MemoryType.DISK) == 0
 
 
+def test_move_to_disk_frees_the_chunks_held_in_memory_and_reads_them_back(tmp_path: Any) -> None:
+    """A paused worker's run moves its in-memory chunks to disk: filed and not yet filed ones alike."""
+    res = BufferResource({MemoryType.HOST: 10_000}, spill_dir=str(tmp_path))
+    box = Postbox(res, "moved")
+    for i in range(3):
+        box.add_chunk(Chunk.of_pieces(i, "a", 0, 0, [(p, _piece([i, p] * (1 + p))) for p in range(4)]))
+    assert [np.frombuffer(x.data, np.int64).tolist() for x in box.pop(0)] == [[i, 0] for i in range(3)]  # files them
+    box.add_chunk(Chunk.of_pieces(3, "a", 0, 0, [(p, _piece([3, p] * (1 + p))) for p in range(4)]))  # not filed yet
+    held = res.used(MemoryType.HOST)
+    assert held == box.nbytes > 0 and box.bytes_spilled == 0
+    moved = box.move_to_disk()
+    assert moved == box.bytes_spilled == res.used(MemoryType.DISK) == box.nbytes_spilled
+    assert res.used(MemoryType.HOST) == 0 == box.nbytes
+    assert moved == 4 * 8 * (2 + 4 + 6 + 8)  # the 4 chunks' frames, whole (popped pieces' bytes too)
+    assert box.move_to_disk() == 0  # nothing left in memory
+    for p in (3, 1, 2):
+        got = [np.frombuffer(x.data, np.int64).tolist() for x in box.pop(p)]
+        assert got == [[i, p] * (1 + p) for i in range(4)]
+    assert [np.frombuffer(x.data, np.int64).tolist() for x in box.pop(0)] == [[3, 0]]  # came after the first pop
+    assert res.used(MemoryType.DISK) == 0 and box.bytes_unspilled == 4 * 8 * (4 + 6 + 8) + 16
+    box.clear()
+    assert os.listdir(tmp_path) == []
+
+
 def test_spilled_chunks_of_many_partitions_share_one_file_read_back_by_range(tmp_path: Any) -> None:
     res = BufferResource({MemoryType.HOST: 0}, spill_dir=str(tmp_path))
     box = Postbox(res, "many")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -234,11 +236,38 @@ def test_grid_cuts_go_straight_into_kept_and_sent_pieces(per_partition: int, nra
             if sent:
                 lo, hi = sent[0].parent.address, sent[0].parent.address + sent[0].parent.size
                 assert all(d.address + d.size <= lo or d.address >= hi for d in kept)  # each kept one is apart
+            # The kept pieces share one buffer of their own: no pool block (64 KiB at least) per piece.
+            assert len({d.parent.address for d in kept}) <= 1
+            if kept:
+                assert kept[0].parent.size < 2 * sum(d.size for d in kept)
             for pid, piece in pieces.items():
                 if pid % nranks == rank:
                     by_pid.setdefault(pid, []).append(piece)
     got = {b: a for pieces in by_pid.values() for b, a in NDArrayAdapter(full.dtype).unpack(pieces, None).items()}
     assert sorted(got) == list(range(9))
+    for b in range(9):
+        j1, j2 = divmod(b, 3)
+        np.testing.assert_array_equal(got[b], full[:, 2 * j1 : 2 * j1 + 2, 2 * j2 : 2 * j2 + 2])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, object])
+def test_pieces_share_their_metadata_and_carry_the_index_in_their_data(dtype: Any) -> None:
+    """The offset index travels in a piece's data (counted, spilled); the metadata is the same for every input."""
+    full = np.arange(4 * 6 * 6).reshape(4, 6, 6).astype(dtype)
+    side = (((0, 0, 2, 0), (1, 2, 4, 0), (2, 4, 6, 0)),)
+    plan = BlockPlan(cuts=(tuple(((0, 0, 1, t),) for t in range(4)), side, side), nout=(1, 3, 3), per_partition=3)
+    metas, by_pid = set(), {}
+    for t in range(4):
+        pieces = NDArrayAdapter(full.dtype, plan, (t, 0, 0)).split_for(full[t : t + 1], (), plan.npartitions)
+        for pid, piece in pieces.items():
+            metas.add(piece.metadata)
+            by_pid.setdefault(pid, []).append(piece)
+            assert len(piece.metadata) == 10  # format, ndim, number of cuts
+            index = np.frombuffer(piece.data, "<i8", 3 * 8).reshape(3, 8)
+            assert index[:, 0].tolist() == [3 * pid, 3 * pid + 1, 3 * pid + 2]  # output blocks
+            assert index[:, 2].tolist() == [t, t, t]  # placed at time step t
+    assert len(metas) == 1  # 12 pieces, one metadata (it held each piece's offsets before)
+    got = {b: a for ps in by_pid.values() for b, a in NDArrayAdapter(full.dtype).unpack(ps, None).items()}
     for b in range(9):
         j1, j2 = divmod(b, 3)
         np.testing.assert_array_equal(got[b], full[:, 2 * j1 : 2 * j1 + 2, 2 * j2 : 2 * j2 + 2])

@@ -35,8 +35,9 @@ assembly of its input blocks' slices. A group with several of both is one
 mpshuffle run (:func:`mpshuffle.dask.graph.insert` / ``barrier`` /
 ``extract`` with a :class:`~mpshuffle.table.ndarray.NDArrayAdapter`): each
 input block's insert task cuts it into one cut per output block it
-overlaps and sends, per output *partition* (:data:`PARTITION_BYTES` of
-consecutive output blocks), one piece holding its cuts for that partition's
+overlaps and sends, per output *partition* (:func:`partition_bytes` of
+consecutive output blocks: 64 MiB, less on workers with a small host
+budget), one piece holding its cuts for that partition's
 blocks to the partition's owner; each partition's extract task assembles
 its blocks once, and each output block is a task that takes its block from
 its partition's result. All keys start with ``mpshuffle-rechunk``; the
@@ -75,11 +76,17 @@ from mpshuffle.dask.method import METHOD, check_dask_version
 from mpshuffle.options import Options
 from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter
 
-__all__ = ["PARTITION_BYTES", "install", "installed", "rechunk", "uninstall"]
+__all__ = [
+    "PARTITION_BUDGET_FRACTION", "PARTITION_BYTES", "install", "installed", "partition_bytes", "rechunk", "uninstall",
+]
 
-#: Bytes of output blocks gathered into one output partition of a rechunk's run
-#: (one piece per insert and partition; see :func:`_exchange`).
+#: Most bytes of output blocks gathered into one output partition of a rechunk's
+#: run (one piece per insert and partition; see :func:`_exchange`); less on
+#: workers with a small host budget (:func:`partition_bytes`).
 PARTITION_BYTES = 64 * 2**20
+#: An output partition is at most this fraction of the smallest host budget
+#: of the cluster's workers (:func:`partition_bytes`).
+PARTITION_BUDGET_FRACTION = 1 / 8
 
 
 def rechunk(
@@ -226,13 +233,13 @@ def _build(x: Any, chunks: tuple[tuple[float, ...], ...], options: Options) -> A
     name = f"{METHOD}-rechunk-{token}"
     layer: dict[Any, Any] = {}
     per_axis = [_axis_groups(recipes) for recipes in old_to_new(x.chunks, chunks)]
-    workers = 0  # asked for once, at the first group that needs a run
+    cluster: tuple[int, int] | None = None  # asked for once, at the first group that needs a run
     for gix, group in enumerate(itertools.product(*per_axis)):
         nold = math.prod(len(g.olds) for g in group)
         nnew = math.prod(len(g.news) for g in group)
         if nold > 1 and nnew > 1:
-            workers = workers or _workers()
-            _exchange(layer, x, name, token, gix, group, options, workers)
+            cluster = cluster or _cluster(options)
+            _exchange(layer, x, name, token, gix, group, options, *cluster)
         else:
             _local(layer, x, name, group)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
@@ -266,15 +273,15 @@ def _local(layer: dict[Any, Any], x: Any, name: str, group: tuple[_AxisGroup, ..
 
 def _exchange(
     layer: dict[Any, Any], x: Any, name: str, token: str, gix: int, group: tuple[_AxisGroup, ...],
-    options: Options, workers: int,
+    options: Options, workers: int, nbytes_per_partition: int = PARTITION_BYTES,
 ) -> None:
     """The tasks of one mpshuffle run: an insert per input block, a barrier, an extract per output partition.
 
-    Output partition ``p`` is :data:`PARTITION_BYTES` of consecutive output
-    blocks (C order; one block at least, and at least two partitions per
-    worker of a default client where the blocks allow): an insert sends one
-    piece per partition, not per block. Each output block is then a task
-    that takes its block out of its partition's result.
+    Output partition ``p`` is ``nbytes_per_partition`` (:func:`partition_bytes`)
+    of consecutive output blocks (C order; one block at least, and at least
+    two partitions per worker of a default client where the blocks allow):
+    an insert sends one piece per partition, not per block. Each output
+    block is then a task that takes its block out of its partition's result.
     """
     ndim = len(group)
     nout = tuple(len(g.news) for g in group)
@@ -283,7 +290,7 @@ def _exchange(
     per_partition = 1
     if known and nblocks > 1:
         nbytes = x.dtype.itemsize * math.prod(sum(axis) for axis in _chunks_of(x, group))
-        wanted = max(math.ceil(nbytes / PARTITION_BYTES), 2 * workers)
+        wanted = max(math.ceil(nbytes / max(1, nbytes_per_partition)), 2 * workers)
         per_partition = max(1, nblocks // max(1, min(wanted, nblocks)))
     plan = BlockPlan(cuts=tuple(g.cuts for g in group), nout=nout, per_partition=per_partition)
     gtoken = tokenize(token, gix)
@@ -319,18 +326,67 @@ def _chunks_of(x: Any, group: tuple[_AxisGroup, ...]) -> list[list[float]]:
     return [[x.chunks[a][o] for o in g.olds] for a, g in enumerate(group)]
 
 
-def _workers() -> int:
-    """Workers of the default distributed client, or 1 (Dask's local schedulers, no client)."""
+def _cluster(options: Options) -> tuple[int, int]:
+    """Workers of the default distributed client (1 without one) and the bytes of an output partition there."""
     try:
         from distributed import default_client
 
         client = default_client()
     except (ImportError, ValueError):
-        return 1
+        return 1, PARTITION_BYTES
     if client.asynchronous or client.status != "running":
         # No blocking call from an event loop: the identity the client last saw.
-        return max(1, len(getattr(client, "_scheduler_identity", {}).get("workers", {})))
-    return max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+        info = getattr(client, "_scheduler_identity", {}).get("workers", {})
+    else:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+    return max(1, len(info)), partition_bytes(options, info.values())
+
+
+def partition_bytes(options: Options, workers: Any) -> int:
+    """Bytes of output blocks per output partition of a rechunk run on ``workers``.
+
+    :data:`PARTITION_BYTES`, or :data:`PARTITION_BUDGET_FRACTION` of the
+    smallest host budget among the workers where that is less (1 MiB at
+    least). Why: an extract holds its partition twice (the pieces read back,
+    the blocks assembled), and Dask starts the next extract (all are ready
+    at the barrier) before the tasks that take the blocks out of the last
+    one have run, so a worker holds a few partitions at once outside the
+    run's budget. The budget is half of the room the worker had below Dask's
+    spill fraction when it joined (:meth:`~mpshuffle.options.Options.host_budget`),
+    the other half is for the worker's own data; partitions of an eighth of
+    the budget keep those few within it. With 64 MiB partitions, workers of
+    1 GiB (a budget of ~270 MB) passed Dask's pause fraction in an
+    out-of-core rechunk, and a nanny restarted one at 95 %.
+
+    Parameters
+    ----------
+    options
+        The rechunk's options (``spill_host``).
+    workers
+        The scheduler's view of each worker (``scheduler_info()["workers"]``
+        values): ``memory_limit`` in bytes (0 or missing: none) and
+        ``metrics["memory"]``, the process's memory in bytes.
+
+    Returns
+    -------
+    int
+        Bytes, > 0.
+    """
+    import dask
+
+    fractions = [dask.config.get(f"distributed.worker.memory.{k}", None) for k in ("spill", "pause")]
+    known = [float(f) for f in fractions if f not in (None, False)]
+    ceiling = min(known) if known else None
+    budgets = []
+    for w in workers:
+        limit = int(w.get("memory_limit") or 0)
+        in_use = int((w.get("metrics") or {}).get("memory") or 0)
+        budget = options.host_budget(limit or None, ceiling=ceiling, in_use=in_use)
+        if budget is not None:
+            budgets.append(budget)
+    if not budgets:
+        return PARTITION_BYTES
+    return max(2**20, min(PARTITION_BYTES, int(min(budgets) * PARTITION_BUDGET_FRACTION)))
 
 
 def _pick(blocks: dict[int, Any], b: int) -> Any:

@@ -46,6 +46,10 @@ PLUGIN_NAME = "mpshuffle"
 _VERDICT_GRACE = 5.0
 
 
+#: How often (milliseconds) a worker checks whether Dask paused it (:meth:`ShuffleWorkerPlugin._when_paused`).
+_PAUSE_WATCH_MS = 250
+
+
 class ShuffleWorkerPlugin(WorkerPlugin):
     """Holds this worker's :class:`WorkerContext` per generation and answers the scheduler plugin.
 
@@ -103,8 +107,41 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         worker.handlers["mpshuffle_close_generation"] = self.close_generation
         worker.handlers["mpshuffle_end_run"] = self.release_run
         worker.handlers["mpshuffle_fail_run"] = self.fail_run
+        self._moving = False
+        self._pause_watch: Any = None
+        with contextlib.suppress(RuntimeError):  # no running event loop: nothing to watch from
+            from tornado.ioloop import PeriodicCallback
+
+            asyncio.get_running_loop()
+            self._pause_watch = PeriodicCallback(self._when_paused, _PAUSE_WATCH_MS)
+            self._pause_watch.start()
+
+    async def _when_paused(self) -> None:
+        """While Dask pauses this worker, move what its runs hold in memory to disk.
+
+        Dask pauses a worker above its pause fraction and starts no task
+        until memory falls; the chunks a run holds in memory are nothing Dask
+        can spill, and with no task running no extract frees them, so the
+        worker stayed paused for good (an out-of-core rechunk on workers of
+        1 GiB). Moving them to the run's spill file frees the memory; their
+        pieces are read back at their extracts.
+        """
+        from distributed.core import Status
+
+        ctx, worker = self.context, self.worker
+        if worker is None or worker.status != Status.paused or ctx is None or self._moving or not ctx.shufflers:
+            return
+        self._moving = True
+        try:
+            freed = await asyncio.to_thread(ctx.move_to_disk)
+        finally:
+            self._moving = False
+        if freed:
+            logger.info("mpshuffle: worker %s paused; moved %d bytes of its runs to disk", worker.address, freed)
 
     async def teardown(self, worker: Worker) -> None:
+        if getattr(self, "_pause_watch", None) is not None:
+            self._pause_watch.stop()
         # The other handlers stay: the scheduler may still tell a closing worker
         # to close or fail something, which is then a no-op.
         worker.handlers.pop("mpshuffle_bootstrap", None)

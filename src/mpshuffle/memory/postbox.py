@@ -225,6 +225,75 @@ class Postbox:
             self._unindexed.append(number)
             self._chunks.append(chunk)
 
+    def move_to_disk(self) -> int:
+        """Move every chunk held in memory to the disk tier; returns the bytes moved.
+
+        For a worker whose memory manager stopped it (Dask pauses a worker
+        above its pause fraction and starts no task): the chunks a run holds
+        in memory are memory Dask cannot spill, and with no task running no
+        partition is extracted to free them, so the worker would stay paused.
+        Moved chunks are read back by range at their extracts, as chunks
+        spilled on arrival are. Pieces already popped are not affected.
+
+        Returns
+        -------
+        int
+            Bytes written to the spill file (the chunks' frames, whole; 0 if
+            nothing was held in memory).
+
+        Raises
+        ------
+        SpillError
+            If writing failed; the run's spill files are removed, and every
+            later call raises the same error.
+        """
+        if self._error is not None:
+            raise self._error
+        moved = 0
+        with self._lock:
+            held = [
+                (c, ch) for c, ch in enumerate(self._chunks)
+                if ch is not None and ch.frames is not None and ch.reservation is not None
+                and ch.reservation.memory_type is MemoryType.HOST and self._left[c] > 0
+            ]
+            if not held:
+                return 0
+            indexed = set(self._unindexed)
+            file_of_frame = np.full(len(self._frames), -1, np.int64)
+            for c, ch in held:
+                frames = ch.frames or []
+                try:
+                    ranges = self.disk.put(frames)
+                except SpillError as e:
+                    self._error = e
+                    raise
+                file_at = np.array([at for at, _ in ranges], np.int64)
+                if c not in indexed:  # filed under its partitions: its pieces name global frame numbers
+                    file_of_frame[ch.frames_at : ch.frames_at + len(frames)] = file_at
+                    self._frames[ch.frames_at : ch.frames_at + len(frames)] = [None] * len(frames)
+                ch.file_at = file_at
+                ch.frames = None
+                assert ch.reservation is not None
+                self._held[MemoryType.HOST] -= ch.reservation.nbytes
+                ch.reservation.release()
+                ch.nbytes = sum(n for _, n in ranges)
+                ch.reservation = self.resource.reserve(MemoryType.DISK, ch.nbytes)
+                self._held[MemoryType.DISK] += ch.nbytes
+                moved += ch.nbytes
+            if (file_of_frame >= 0).any():
+                seen: set[int] = set()
+                for entries in self._where.values():
+                    for segment, _ in entries:
+                        if id(segment) in seen:
+                            continue
+                        seen.add(id(segment))
+                        in_memory = np.flatnonzero(segment.frame >= 0)
+                        to = file_of_frame[segment.frame[in_memory]]
+                        now = in_memory[to >= 0]
+                        segment.position[now] += to[to >= 0]
+                        segment.frame[now] = -1
+        return moved
+
     def _fail(self, error: SpillError) -> None:
         self._error = error
         self.clear()

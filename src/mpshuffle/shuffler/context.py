@@ -293,6 +293,26 @@ class WorkerContext:
             s.fail(err)
             s.close()
 
+    def move_to_disk(self) -> int:
+        """Move what this rank's host runs hold in memory to disk, and give the pool's free blocks back.
+
+        What a worker does when its memory manager paused it (see
+        :meth:`mpshuffle.memory.postbox.Postbox.move_to_disk`).
+
+        Returns
+        -------
+        int
+            Bytes freed: the chunks moved plus the pool's free blocks given back.
+        """
+        with self._lock:
+            runs = list(self.shufflers.values())
+        freed = 0
+        for run in runs:
+            move = getattr(run, "move_to_disk", None)  # host runs; device runs spill by their own store
+            if move is not None:
+                freed += move()
+        return freed + self.pool.trim()
+
     def end_run(self, op_id: int) -> None:
         """Free run ``op_id``'s state on this rank (it finished or was released)."""
         with self._lock:

@@ -402,6 +402,27 @@ class Shuffler(Run):
             self._finish()
         return pieces
 
+    def move_to_disk(self) -> int:
+        """Move the chunks this rank holds in memory to its spill file; returns the bytes moved.
+
+        See :meth:`mpshuffle.memory.postbox.Postbox.move_to_disk`. A failed
+        write fails the run (its error names the disk).
+
+        Returns
+        -------
+        int
+            Bytes moved; 0 if the run failed, closed or held nothing in memory.
+        """
+        if self._error is not None or self._closed:
+            return 0
+        try:
+            moved = self.postbox.move_to_disk()
+        except SpillError as e:
+            self.fail(e)
+            return 0
+        self._update_spill_statistics()
+        return moved
+
     def _keep(self, order: tuple[Any, ...]) -> bool:
         """Whether a piece (by its order key) came from its input's accepted attempt."""
         accepted = self._accepted

@@ -25,18 +25,24 @@ the rechunk tasks build one per block.
 Piece format
 ------------
 ``metadata``: a format byte (:data:`RAW` or :data:`PICKLED`), ``ndim`` and
-the number of cuts (``<BBq``), then per cut ``2 + 2 ndim`` little-endian
-``int64``: the output block (C-order index in the group), the cut's byte
-offset in ``data``, its offsets inside the output block and its extents.
-``nrows`` is the number of elements. ``data`` holds the cuts' elements, each
-in C order, in the array's own dtype (structured and non-native byte orders
-as they lie), each cut starting at a multiple of 16 bytes; or, for dtypes
-holding Python objects (``object``, structured with object fields), the
-pickle (protocol 5) of the list of cuts. Unpickling runs code chosen by the
+the number of cuts (``<BBq``), nothing else, so the pieces of a run share a
+few distinct metadata. ``data`` starts with the offset index: per cut
+``2 + 2 ndim`` little-endian ``int64``, the output block (C-order index in
+the group), the cut's byte offset in ``data``, its offsets inside the output
+block and its extents. Then the cuts' elements, each in C order, in the
+array's own dtype (structured and non-native byte orders as they lie); or,
+for dtypes holding Python objects (``object``, structured with object
+fields), the pickle (protocol 5) of the list of cuts. ``nrows`` is the
+number of elements. Why the index travels in ``data``: a run keeps every
+piece's metadata in memory until the run ends, spilled or not, outside its
+budget, while ``data`` is counted, spilled and freed; with the index in the
+metadata every piece's was distinct, and an out-of-core rechunk (1536 inputs
+into 200 partitions) kept 322,000 of them per worker, ~60 MB past the budget. Unpickling runs code chosen by the
 sender: pieces come only from the run's own ranks, which the communicator
-authenticates. The pieces an insert keeps on its rank get a buffer each
-from the worker's :class:`~mpshuffle.memory.pool.HostPool` (freed when the
-partition is extracted), the pieces it sends share one (reused once sent).
+authenticates. An insert's pieces lie in two buffers from the worker's
+:class:`~mpshuffle.memory.pool.HostPool`: one for the pieces its rank
+keeps (held, as the run holds their chunk, until the last of them is
+extracted) and one for the pieces it sends (reused once sent).
 """
 
 from __future__ import annotations
@@ -313,8 +319,9 @@ class NDArrayAdapter(FrameAdapter):
         if self.dtype.hasobject:
             return {
                 pid: PackedData(
-                    _index(PICKLED, frame.ndim, cuts, [0] * len(cuts)),
-                    pickle.dumps([view for _, view, _ in cuts], protocol=5),
+                    _HEAD.pack(PICKLED, frame.ndim, len(cuts)),
+                    _rows(frame.ndim, cuts, [0] * len(cuts)).tobytes()
+                    + pickle.dumps([view for _, view, _ in cuts], protocol=5),
                     sum(int(view.size) for _, view, _ in cuts),
                 )
                 for pid, cuts in by_partition.items()
@@ -346,7 +353,7 @@ class NDArrayAdapter(FrameAdapter):
         """
         if not pieces:
             raise ShuffleError("an output partition of a rechunk received no pieces")
-        read = [_read_index(piece.metadata) for piece in pieces]
+        read = [_read_index(piece.metadata, piece.data) for piece in pieces]
         ndims = {ndim for _, ndim, _ in read}
         if len(ndims) != 1:
             raise ShuffleError(f"rechunk pieces of {sorted(ndims)} dimensions in one output partition")
@@ -383,7 +390,7 @@ class NDArrayAdapter(FrameAdapter):
                     place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), shape, strict=True))
                     stacked[(mine, *place)] = cuts.reshape(len(rows), *shape)  # type: ignore[index]
                 continue
-            values = pickle.loads(piece.data) if fmt == PICKLED else None
+            values = pickle.loads(memoryview(piece.data)[rows.nbytes :]) if fmt == PICKLED else None
             for c, row in enumerate(rows.tolist()):
                 shape = row[2 + ndim :]
                 n = math.prod(shape)
@@ -420,27 +427,34 @@ def _one_place(rows: npt.NDArray[np.int64], itemsize: int) -> bool:
     return bool((rows[:, 1] == rows[0, 1] + np.arange(len(rows)) * size).all())
 
 
-def _index(fmt: int, ndim: int, cuts: Sequence[tuple[int, Any, tuple[int, ...]]], at: Sequence[int]) -> bytes:
-    """A piece's header: format, ``ndim``, the number of cuts, then each cut's row of the offset index."""
+def _rows(ndim: int, cuts: Sequence[tuple[int, Any, tuple[int, ...]]], at: Sequence[int]) -> npt.NDArray[np.int64]:
+    """A piece's offset index: per cut its output block, byte offset in the data, offsets and extents."""
     rows = np.empty((len(cuts), 2 + 2 * ndim), dtype="<i8")
     for r, ((b, view, offsets), start) in enumerate(zip(cuts, at, strict=True)):
         rows[r, 0] = b
         rows[r, 1] = start
         rows[r, 2 : 2 + ndim] = offsets
         rows[r, 2 + ndim :] = view.shape
-    return _HEAD.pack(fmt, ndim, len(cuts)) + rows.tobytes()
+    return rows
 
 
-def _read_index(metadata: bytes) -> tuple[int, int, npt.NDArray[np.int64]]:
-    if len(metadata) < _HEAD.size:
+def _index_bytes(ndim: int, ncuts: int) -> int:
+    """Bytes of a piece's offset index (a multiple of 16: each row is ``16 (1 + ndim)`` bytes)."""
+    return 8 * (2 + 2 * ndim) * ncuts
+
+
+def _read_index(metadata: bytes, data: Any) -> tuple[int, int, npt.NDArray[np.int64]]:
+    """A piece's format, ``ndim`` and offset index (from its metadata and the start of its data)."""
+    if len(metadata) != _HEAD.size:
         raise ShuffleError(f"a rechunk piece has a malformed header of {len(metadata)} bytes")
     fmt, ndim, ncuts = _HEAD.unpack_from(metadata)
     if fmt not in (RAW, PICKLED):
         raise ShuffleError(f"a rechunk piece has unknown format {fmt}")
     width = 2 + 2 * ndim
-    if len(metadata) != _HEAD.size + 8 * width * ncuts:
-        raise ShuffleError(f"a rechunk piece's index has {len(metadata)} bytes, not {ncuts} cuts of {ndim} axes")
-    rows = np.frombuffer(metadata, "<i8", ncuts * width, _HEAD.size).reshape(ncuts, width).astype(np.int64)
+    size = memoryview(data).nbytes
+    if ncuts < 0 or size < _index_bytes(ndim, ncuts):
+        raise ShuffleError(f"a rechunk piece's data has {size} bytes, less than the index of {ncuts} cuts of {ndim} axes")
+    rows = np.frombuffer(data, "<i8", ncuts * width, 0).reshape(ncuts, width).astype(np.int64)
     return fmt, ndim, rows
 
 
@@ -448,13 +462,13 @@ def _pack(
     by_partition: dict[int, list[tuple[int, Any, tuple[int, ...]]]], ndim: int, rank: int, nranks: int,
     pool: HostPool | None,
 ) -> dict[int, PackedData]:
-    """Copy the cuts into buffers: one per kept partition, one for all partitions sent away."""
-    # Buffer -1 holds the pieces sent away; buffer p a kept partition p's piece.
+    """Copy the cuts into two buffers: one for the partitions this rank keeps, one for those sent away."""
+    # Buffer -1 holds the pieces sent away; buffer -2 the pieces kept (see _pack_grid for why one).
     layout: dict[int, tuple[int, int, int, list[int]]] = {}
     sizes: dict[int, int] = {-1: 0}
     for pid, cuts in by_partition.items():
-        owner = -1 if partition_owner(pid, nranks) != rank else pid
-        at, total = [], 0
+        owner = -1 if partition_owner(pid, nranks) != rank else -2
+        at, total = [], _index_bytes(ndim, len(cuts))
         for _, view, _ in cuts:
             at.append(total)
             total += _round_up(view.nbytes, _CUT_ALIGN)
@@ -469,8 +483,10 @@ def _pack(
     pieces = {}
     for pid, cuts in by_partition.items():
         owner, base, total, at = layout[pid]
+        rows = _rows(ndim, cuts, at)
         if total:
             target = arrays[owner]
+            target[base : base + rows.nbytes] = rows.view(np.uint8).ravel()
             for (_, view, _), start in zip(cuts, at, strict=True):
                 if view.nbytes:
                     a = base + start
@@ -480,7 +496,7 @@ def _pack(
         else:
             data = b""
         nelem = sum(int(view.size) for _, view, _ in cuts)
-        pieces[pid] = PackedData(_index(RAW, ndim, cuts, at), data, nelem)
+        pieces[pid] = PackedData(_HEAD.pack(RAW, ndim, len(cuts)), data, nelem)
     return pieces
 
 
@@ -522,8 +538,12 @@ def _pack_grid(
 
     The cuts lie back to back in C order of the grid (which is the order of
     their output blocks, so each partition's cuts are one byte range). The
-    pieces sent away share one buffer (reused once sent); each partition this
-    rank keeps gets a buffer of its own (held until it is extracted). Every
+    pieces sent away share one buffer (reused once sent), and the pieces this
+    rank keeps share another: the run holds them as one chunk, whose memory
+    goes only when its last piece is extracted, so a buffer per kept piece
+    would free nothing sooner, and it cost a pool block each (64 KiB at
+    least): for pieces of 20-40 KB (the out-of-core case: 1536 inputs into
+    200 partitions) 1.6-3.2x the bytes the run's budget counted. Every
     byte of the block is copied once, from the block into its piece, by a
     few strided copies per piece (:func:`_grid_segments`).
     """
@@ -549,28 +569,32 @@ def _pack_grid(
     bounds = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), ncuts]
     ranges = list(itertools.pairwise(bounds))
     kept = [nranks > 1 and partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
-    away = sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k) * cut_bytes
+    row_bytes = _index_bytes(ndim, 1)
+    away = sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k) * (cut_bytes + row_bytes)
+    home = ncuts * (cut_bytes + row_bytes) - away
 
-    def fresh(nbytes: int) -> pa.Buffer:
-        return pool.allocate(nbytes) if pool is not None else pa.py_buffer(_empty_aligned(nbytes))
+    def fresh(nbytes: int) -> tuple[pa.Buffer | None, Any]:
+        if not nbytes:
+            return None, None
+        buf = pool.allocate(nbytes) if pool is not None else pa.py_buffer(_empty_aligned(nbytes))
+        return buf, np.frombuffer(buf, dtype=np.uint8)
 
-    shared = fresh(away) if away else None
-    shared_bytes = np.frombuffer(shared, dtype=np.uint8) if shared is not None else None
+    # Index 0: the pieces sent away; 1: the pieces kept. Each filled from its start.
+    buffers = [fresh(away), fresh(home)]
+    at = [0, 0]
     elements = math.prod(lengths)
     pieces = {}
-    at = 0  # next byte of the shared buffer
     for (lo, hi), keep in zip(ranges, kept, strict=True):
+        head = (hi - lo) * row_bytes
         nbytes = (hi - lo) * cut_bytes
-        if not nbytes:
-            data: Any = b""
-        elif keep:
-            data = fresh(nbytes)
-            target_bytes = np.frombuffer(data, dtype=np.uint8)
-        else:
-            assert shared is not None and shared_bytes is not None
-            data = shared.slice(at, nbytes)
-            target_bytes = shared_bytes[at : at + nbytes]
-            at += nbytes
+        index = rows[lo:hi].copy()
+        index[:, 1] += head - lo * cut_bytes
+        shared, shared_bytes = buffers[keep]
+        assert shared is not None
+        data: Any = shared.slice(at[keep], head + nbytes)
+        shared_bytes[at[keep] : at[keep] + head] = index.view(np.uint8).ravel()
+        target_bytes = shared_bytes[at[keep] + head : at[keep] + head + nbytes]
+        at[keep] += head + nbytes
         segments = _grid_segments(counts, lo, hi) if nbytes else iter(())
         target = target_bytes.view(frame.dtype).reshape(hi - lo, *lengths) if nbytes else None
         done = 0
@@ -580,11 +604,7 @@ def _pack_grid(
             n = src.size // elements
             np.copyto(target[done : done + n].reshape(src.shape), src, casting="no")
             done += n
-        index = rows[lo:hi].copy()
-        index[:, 1] -= lo * cut_bytes
-        pieces[int(part[lo])] = PackedData(
-            _HEAD.pack(RAW, ndim, hi - lo) + index.tobytes(), data, (hi - lo) * elements
-        )
+        pieces[int(part[lo])] = PackedData(_HEAD.pack(RAW, ndim, hi - lo), data, (hi - lo) * elements)
     return pieces
 
 
