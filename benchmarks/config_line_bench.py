@@ -25,7 +25,12 @@ rows are 2.11 GB). ``--data lineitem``: TPC-H ``lineitem`` of ``--sf``
 shuffled on ``l_orderkey``.
 
 ``--first`` adds a fresh cluster per method before the rounds: its first
-shuffle (no warm-up; mpshuffle bootstraps within it) and the next one.
+shuffle (no warm-up; mpshuffle bootstraps within it) and the next one, in
+the order ``--methods`` names them (``MemTotal`` of ``/proc/meminfo`` is
+recorded before each). On a VM whose memory grows as it is first used (the
+lent GPU machine: about 3 s per 8 GiB), whichever method runs first on a
+bare machine pays that growth; ``--pregrow-gib N`` has a child process touch
+and free N GiB before anything else, so no method pays it.
 
 Writes ``--out`` (JSON: every run, min/median/max per method, the ratios,
 machine and versions) and prints a table.
@@ -40,6 +45,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -184,6 +191,24 @@ def _input(args: argparse.Namespace, tmp: str) -> tuple[dd.DataFrame, str]:
     return synthetic(args.partitions, args.rows)
 
 
+def _mem_total_gib() -> float | None:
+    """``MemTotal`` of ``/proc/meminfo`` in GiB (``None`` where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _pregrow(gib: float) -> None:
+    """Touch ``gib`` GiB in a child process and let it exit (the VM keeps the memory it grew by)."""
+    code = f"import numpy as np; a = np.ones(int({gib} * 2**30) // 8); print(a[-1])"
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", choices=["synthetic", "lineitem"], default="synthetic")
@@ -198,9 +223,15 @@ def main() -> None:
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--first", action="store_true",
                         help="also: a fresh cluster per method, its first and second shuffle")
+    parser.add_argument("--pregrow-gib", type=float, default=0.0,
+                        help="touch and free this much memory in a child process first (a VM that grows on use)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "config_line.json"))
     args = parser.parse_args()
-    methods = [m for m in METHODS if m in args.methods]
+    methods = list(dict.fromkeys(args.methods))
+    mem_total = {"start": _mem_total_gib()}
+    if args.pregrow_gib > 0:
+        _pregrow(args.pregrow_gib)
+        mem_total["after_pregrow"] = _mem_total_gib()
     results: dict[str, Any] = {
         "args": vars(args),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
@@ -216,6 +247,7 @@ def main() -> None:
         if args.first:
             first: dict[str, list[dict[str, Any]]] = {}
             for m in methods:
+                mem_total[f"before_first_{m}"] = _mem_total_gib()
                 cluster, client = _cluster(args)
                 with cluster, client:
                     data = df.persist()
@@ -227,6 +259,7 @@ def main() -> None:
                           f"second {first[m][1]['mb_per_s']:7.0f} MB/s", flush=True)
                     del data
             results["first_of_fresh_cluster"] = first
+        results["mem_total_gib"] = mem_total
         cluster, client = _cluster(args)
         with cluster, client:
             if not args.no_warmup:
