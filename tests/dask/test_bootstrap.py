@@ -191,3 +191,46 @@ def test_a_task_that_finds_the_plugin_still_on_its_way_waits_for_it(client: Clie
         lambda: all(s["shufflers"] == [] for s in client.run(worker_state).values()),
         "the run to end on every worker",
     )
+
+
+def test_a_connection_lost_while_the_graph_is_built_leaves_bootstrap_to_the_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seen by a breaker: a worker killed while the client built its first graph.
+
+    The early registration of the plugins (best effort, at graph-building time)
+    raised distributed's ``CommClosedError`` out of ``df.shuffle``; the graph
+    must build, and its tasks register the plugins and bootstrap themselves.
+    """
+    import numpy as np
+    import pandas as pd
+    from dask import dataframe as dd
+    from distributed import LocalCluster
+    from distributed.comm.core import CommClosedError
+
+    from mpshuffle.dask import bootstrap, shuffle
+
+    calls: list[str] = []
+    register = bootstrap.register_plugins
+
+    def register_once_lost(client: Client) -> object:
+        calls.append("register")
+        if len(calls) == 1:
+            raise CommClosedError("in <TCP (closed) ConnectionPool.register_worker_plugin>: Stream is closed")
+        return register(client)
+
+    monkeypatch.setattr(bootstrap, "register_plugins", register_once_lost)
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                     memory_limit="2GiB") as cluster,
+        Client(cluster) as client,
+    ):
+        frame = pd.DataFrame({"k": np.arange(3000) % 41, "v": np.arange(3000)})
+        shuffled = shuffle(dd.from_pandas(frame, npartitions=5), "k", npartitions=4)
+        assert calls == ["register"]  # the graph was built past the lost connection
+        parts = client.compute(shuffled.to_delayed(), sync=True)
+        got = pd.concat(parts)
+        pd.testing.assert_frame_equal(got.sort_values("v").reset_index(drop=True), frame)
+        homes = [set(p["k"]) for p in parts]
+        assert all(not (a & b) for i, a in enumerate(homes) for b in homes[i + 1:])
+        assert "mpshuffle" in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))

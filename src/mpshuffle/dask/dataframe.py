@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ from dask.base import tokenize
 from mpshuffle.config import resolve_options
 from mpshuffle.dask._checks import frame_type_error
 from mpshuffle.dask.graph import check_npartitions, shuffle_graph
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from mpshuffle.options import Options
@@ -229,14 +232,16 @@ def _warm_up(options: Options) -> None:
     from mpshuffle.dask.bootstrap import register_plugins
     from mpshuffle.errors import BootstrapError
 
-    register_plugins(client)
     try:
+        register_plugins(client)
         client.run_on_scheduler(_warm_up_generation, options=options.as_dict())
-    except BootstrapError:
-        # No workers yet (an adaptive cluster) or one that does not answer:
-        # building the graph must not fail for it. The first task bootstraps,
-        # and reports a failure then, in the bootstrap phase.
-        pass
+    except (BootstrapError, OSError, TimeoutError) as exc:
+        # No workers yet (an adaptive cluster), one that does not answer, or a
+        # connection closed under the call (a worker lost while the graph is
+        # built; distributed's CommClosedError is an OSError): building the
+        # graph must not fail for it. The first task registers the plugins
+        # and bootstraps again, and reports a failure then, in the bootstrap phase.
+        logger.debug("mpshuffle: early bootstrap skipped: %r", exc)
 
 
 async def _warm_up_generation(options: dict[str, Any], dask_scheduler: Any = None) -> dict[str, Any]:

@@ -334,11 +334,15 @@ def _cluster(options: Options) -> tuple[int, int]:
         client = default_client()
     except (ImportError, ValueError):
         return 1, PARTITION_BYTES
-    if client.asynchronous or client.status != "running":
+    info = None
+    if not client.asynchronous and client.status == "running":
+        try:
+            info = client.scheduler_info(n_workers=-1)["workers"]
+        except (OSError, TimeoutError):
+            pass  # the connection went under the call: size from what the client last saw
+    if info is None:
         # No blocking call from an event loop: the identity the client last saw.
         info = getattr(client, "_scheduler_identity", {}).get("workers", {})
-    else:
-        info = client.scheduler_info(n_workers=-1)["workers"]
     return max(1, len(info)), partition_bytes(options, info.values())
 
 
