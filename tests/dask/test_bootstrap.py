@@ -140,6 +140,7 @@ def test_workers_load_the_kernels_when_they_join(client: Client) -> None:
 
 
 def test_without_preload_the_first_insert_loads_the_kernels() -> None:
+    import dask
     import pandas as pd
     from dask import dataframe as dd
     from distributed import LocalCluster
@@ -147,10 +148,12 @@ def test_without_preload_the_first_insert_loads_the_kernels() -> None:
     from mpshuffle.dask import shuffle
 
     with (
+        dask.config.set({"mpshuffle.preload_kernels": False}),  # as the client starts, too
         LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
                      memory_limit="2GiB") as cluster,
         Client(cluster) as client,
     ):
+        assert set(client.run(_warmed_up).values()) == {None}
         bootstrap_dask_cluster(client, preload_kernels=False)
         frame = pd.DataFrame({"k": range(400), "v": [float(i) for i in range(400)]})
         out = shuffle(dd.from_pandas(frame, npartitions=4), "k", npartitions=3).compute()
@@ -234,3 +237,28 @@ def test_a_connection_lost_while_the_graph_is_built_leaves_bootstrap_to_the_task
         homes = [set(p["k"]) for p in parts]
         assert all(not (a & b) for i, a in enumerate(homes) for b in homes[i + 1:])
         assert "mpshuffle" in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+
+
+def test_a_starting_client_has_workers_load_the_kernels_before_any_shuffle() -> None:
+    """The first shuffle of a fresh cluster paid the kernels' loading in its inserts."""
+    import dask
+    from distributed import LocalCluster
+
+    import mpshuffle.dask
+    from mpshuffle.dask.client_preload import MODULE
+
+    assert MODULE in dask.config.get("distributed.client.preload")
+    mpshuffle.dask.client_preload.install()  # idempotent
+    assert dask.config.get("distributed.client.preload").count(MODULE) == 1
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                     memory_limit="2GiB") as cluster,
+        Client(cluster) as client,
+    ):
+        seconds = wait_for(lambda: (s := client.run(_warmed_up)) and None not in s.values() and s,
+                           "every worker to load the kernels")
+        assert sorted(seconds) == sorted(client.scheduler_info()["workers"])
+        # Plugins only: no generation, no communicator, nothing in the task stream.
+        state = client.run_on_scheduler(_scheduler_state)
+        assert state == {"tasks": 0, "generation": None, "generations": [], "runs": 0}
+        assert set(client.run(lambda dask_worker: dask_worker.plugins["mpshuffle"].context).values()) == {None}

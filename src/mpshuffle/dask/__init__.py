@@ -1,6 +1,9 @@
 """mpshuffle's Dask integration: bootstrap, shuffle graphs, DataFrame shuffles.
 
-Importing it makes ``"mpshuffle"`` a shuffle method of Dask's own DataFrame
+Importing it adds :mod:`mpshuffle.dask.client_preload` to Dask's
+``distributed.client.preload`` (clients started afterwards have their
+workers load mpshuffle's kernels ahead of the first shuffle), and makes
+``"mpshuffle"`` a shuffle method of Dask's own DataFrame
 operations (see :mod:`mpshuffle.dask.method`) and a rechunk method of Dask
 arrays (see :mod:`mpshuffle.dask.rechunk`), and registers the
 ``df.mpshuffle`` accessor on
@@ -14,6 +17,7 @@ anyway, so its import is the one place that needs no machinery.
 
 from mpshuffle.dask.accessor import register_accessor
 from mpshuffle.dask.bootstrap import Generation, bootstrap_dask_cluster, get_worker_context
+from mpshuffle.dask.client_preload import install as _install_client_preload
 from mpshuffle.dask.dataframe import shuffle
 from mpshuffle.dask.graph import ShuffleSpec, shuffle_graph
 from mpshuffle.dask.join import merge
@@ -26,6 +30,8 @@ from mpshuffle.dask.statistics import gather_statistics
 _install_method()
 # array.rechunk.method / x.rechunk(..., method="mpshuffle") for dask arrays.
 _install_rechunk()
+# Clients started from now on ask workers to load the kernels ahead (distributed.client.preload).
+_install_client_preload()
 
 __all__ = [
     "Generation",

@@ -16,7 +16,13 @@ if TYPE_CHECKING:
 
     from mpshuffle.shuffler.context import WorkerContext
 
-__all__ = ["Generation", "bootstrap_dask_cluster", "get_worker_context", "register_plugins"]
+__all__ = [
+    "Generation",
+    "bootstrap_dask_cluster",
+    "get_worker_context",
+    "register_plugins",
+    "register_plugins_async",
+]
 
 
 def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
@@ -75,7 +81,7 @@ def bootstrap_dask_cluster(client: Client | None = None, **options: Any) -> Any:
 
 
 async def _bootstrap(client: Client, options: dict[str, Any]) -> Generation:
-    await _register(client)
+    await register_plugins_async(client)
     desc = await client.run_on_scheduler(_ensure_generation, options=options)
     return Generation.from_msg(desc)
 
@@ -85,10 +91,27 @@ async def _ensure_generation(options: dict[str, Any], dask_scheduler: Any = None
     return await plugin.ensure_generation(options)
 
 
-async def _register(client: Client) -> None:
-    # Both plugins are idempotent: registering again keeps the running ones.
+async def register_plugins_async(client: Client, *, preload_kernels: bool = False) -> None:
+    """Register mpshuffle's scheduler and worker plugins from the client's event loop (idempotent).
+
+    Both plugins are idempotent: registering again keeps the ones running
+    (and the worker plugin's ``preload_kernels`` of the first registration).
+
+    Parameters
+    ----------
+    client
+        A client, synchronous or asynchronous, awaited on its own loop.
+    preload_kernels
+        Workers start loading the insert's kernels as the worker plugin is
+        set up (see :class:`~mpshuffle.dask.worker.ShuffleWorkerPlugin`).
+
+    Raises
+    ------
+    OSError
+        If a connection closes under the call (distributed's ``CommClosedError``).
+    """
     await client.register_plugin(ShuffleSchedulerPlugin(), name=ShuffleSchedulerPlugin.name)
-    await client.register_plugin(ShuffleWorkerPlugin(), name=PLUGIN_NAME)
+    await client.register_plugin(ShuffleWorkerPlugin(preload_kernels=preload_kernels), name=PLUGIN_NAME)
 
 
 def register_plugins(client: Client) -> Any:
@@ -96,7 +119,7 @@ def register_plugins(client: Client) -> Any:
 
     Returns an awaitable for asynchronous clients, ``None`` otherwise.
     """
-    return client.sync(_register, client)
+    return client.sync(register_plugins_async, client)
 
 
 def get_worker_context(worker: Any = None) -> WorkerContext:

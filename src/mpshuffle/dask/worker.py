@@ -73,6 +73,14 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     ``mpshuffle_fail_run(op_id, token, reason)``
         Fail a run (a peer left; the scheduler restarts it) and free its state.
 
+    Parameters
+    ----------
+    preload_kernels
+        Start loading the insert's kernels as the plugin is set up on a
+        worker, before any generation (as a client registers it when it
+        starts: :mod:`mpshuffle.dask.client_preload`); otherwise as the worker
+        joins a generation whose option ``preload_kernels`` is on.
+
     Attributes
     ----------
     context
@@ -84,7 +92,8 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     idempotent = True
     name = PLUGIN_NAME
 
-    def __init__(self) -> None:
+    def __init__(self, *, preload_kernels: bool = False) -> None:
+        self.preload_kernels = preload_kernels
         self.worker: Worker | None = None
         self.contexts: dict[str, WorkerContext] = {}
         self.current: str | None = None
@@ -115,6 +124,8 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             asyncio.get_running_loop()
             self._pause_watch = PeriodicCallback(self._when_paused, _PAUSE_WATCH_MS)
             self._pause_watch.start()
+            if self.preload_kernels:
+                self._preload()
 
     async def _when_paused(self) -> None:
         """While Dask pauses this worker, move what its runs hold in memory to disk.
