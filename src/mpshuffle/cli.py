@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mpshuffle.demo import ExtraMissingError, bench, job, missing, require
-from mpshuffle.demo._cliargs import positive_float, positive_int
+from mpshuffle.demo._cliargs import DefaultsHelpFormatter, positive_float, positive_int
 
 __all__ = ["main"]
 
@@ -53,12 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--data-dir", default=None,
                       help="where to write the generated data (default: a temporary dir, deleted after); "
                            "lineitem and orders that an earlier run left there are deleted and generated anew")
+    demo.add_argument("--no-compare", action="store_true",
+                      help="skip the same shuffle with Dask's P2P (which gives the demo's MB/s a yardstick)")
     demo.add_argument("--no-progress", action="store_true",
                       help="do not draw progress bars (they are never drawn when stderr is not a terminal)")
     sub.add_parser("info", help="print versions and available backends")
     bench.add_arguments(sub.add_parser(
         "bench", help="mpshuffle vs Dask's P2P and task shuffles (JSON; a PNG too with the bench extra's matplotlib)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     ))
     args = parser.parse_args(argv)
     if args.command == "info":

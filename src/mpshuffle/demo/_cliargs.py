@@ -11,7 +11,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["int_at_least", "positive_float", "positive_int"]
+__all__ = ["DefaultsHelpFormatter", "int_at_least", "positive_float", "positive_int"]
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -70,3 +70,18 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's formatter that appends ``(default: ...)``, except where the default is ``None``.
+
+    An option whose default is ``None`` says in its own help what it does
+    without a value (``--data-dir``: a temporary directory); ``(default:
+    None)`` after that said it twice.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
