@@ -210,6 +210,42 @@ def test_unconvertible_object_column_falls_back_to_pickle() -> None:
     assert all(len(p) == 1 for p in key_partitions(outputs, "k").values())
 
 
+@pytest.mark.parametrize("index", [False, True])
+def test_sparse_columns_travel_pickled_with_their_dtype(index: bool) -> None:
+    # pyarrow refuses Sparse columns with a TypeError; Dask's tasks and P2P
+    # shuffles move them, so mpshuffle must too (a breaker found it failing).
+    def frame(offset: int, n: int) -> pd.DataFrame:
+        i = np.arange(offset, offset + n)
+        return pd.DataFrame(
+            {
+                "k": i % 5,
+                "sf": pd.arrays.SparseArray(np.where(i % 3 == 0, i / 2, np.nan)),
+                "si": pd.arrays.SparseArray(np.where(i % 4 == 0, i, 0), fill_value=0),
+                "v": i.astype("float64"),
+            },
+            index=pd.Index(i * 10, name="ix"),
+        )
+
+    inputs = [frame(0, 30), frame(30, 17)]
+    adapter = PandasAdapter(index=index)
+    for piece in adapter.split(inputs[0], ["si"], 4).values():
+        table, pickled, _ = read_piece(piece)
+        assert sorted(pickled) == [1, 2] and "k" in table.column_names
+    meta = inputs[0].iloc[:0]
+    outputs = shuffle(adapter, inputs, ["si"], 4, meta)
+    out = pd.concat(list(outputs.values()), ignore_index=not index)
+    assert_same_dtypes(out, meta)
+    assert out["si"].dtype == pd.SparseDtype("int64", 0) and out["sf"].dtype == pd.SparseDtype("float64")
+    everything = pd.concat(inputs)
+    got = out.sort_values("v")
+    np.testing.assert_array_equal(got["v"].to_numpy(), everything["v"].to_numpy())
+    np.testing.assert_array_equal(got["si"].to_numpy(), everything["si"].to_numpy())
+    np.testing.assert_array_equal(got["sf"].to_numpy(), everything["sf"].to_numpy())
+    if index:
+        assert list(got.index) == list(everything.index) and got.index.name == "ix"
+    assert all(len(p) == 1 for p in key_partitions(outputs, "si").values())
+
+
 def test_meta_column_missing_from_data_is_a_clear_error() -> None:
     # Edge case 6.
     frame = pd.DataFrame({"k": [1, 2], "v": [1.0, 2.0]})

@@ -113,6 +113,26 @@ def _arrow_dtype_round_trips(frame: pd.DataFrame, position: int) -> bool:
     return True
 
 
+@lru_cache(maxsize=256)
+def _extension_round_trips(dtype: Any) -> bool:
+    """Whether a column of pandas extension dtype ``dtype`` goes to Arrow and back.
+
+    Pandas' own extension dtypes with an Arrow form (nullable integers,
+    ``boolean``, ``string``, ``category``, ``interval``, ``period``, tz-aware
+    datetimes) do (where the dtype read back differs, as for python-backed
+    ``string``, the extract's reconcile casts it to the meta's); others
+    (``Sparse[...]``, which pyarrow refuses with a ``TypeError``, or a third
+    party's dtype that cannot convert) travel pickled, as Dask's task and P2P
+    shuffles move them. Tried once per dtype on a column of zero rows.
+    """
+    try:
+        empty = pd.DataFrame({"c": pd.array([], dtype=dtype)})
+        pa.Table.from_pandas(empty, preserve_index=False).to_pandas()
+    except Exception:  # noqa: BLE001 - any failure either way means: do not use Arrow
+        return False
+    return True
+
+
 def _object_type_round_trips(t: pa.DataType) -> bool:
     return any(ok(t) for ok in _OBJECT_SAFE)
 
@@ -156,7 +176,9 @@ def _pickled_positions(frame: pd.DataFrame, dtypes: tuple[Any, ...]) -> list[int
 
     An ``object`` column that Arrow cannot convert, or converts to a type
     that does not come back as the same Python objects (see
-    ``_OBJECT_SAFE``), and an ``ArrowDtype`` column pandas cannot read back.
+    ``_OBJECT_SAFE``), an ``ArrowDtype`` column pandas cannot read back, and
+    a column of another extension dtype that does not go to Arrow and back
+    (``Sparse``: :func:`_extension_round_trips`).
     ``dtypes`` is ``tuple(frame.dtypes)``.
     """
     out = []
@@ -164,6 +186,8 @@ def _pickled_positions(frame: pd.DataFrame, dtypes: tuple[Any, ...]) -> list[int
         if isinstance(dtype, pd.ArrowDtype):
             if not _arrow_dtype_round_trips(frame, i):
                 out.append(i)
+        elif isinstance(dtype, pd.api.extensions.ExtensionDtype) and not _extension_round_trips(dtype):
+            out.append(i)
         elif dtype == object:
             try:
                 t = pa.array(frame.iloc[:, i], from_pandas=True).type
