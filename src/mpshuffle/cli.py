@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="shuffle TPC-H lineitem on a LocalCluster and report throughput")
     demo.add_argument("--scale-factor", "-s", type=positive_float, default=0.5,
-                      help="TPC-H scale factor, > 0 (default 0.5: 3M rows; about 20-30 s on 2 cores, "
-                           "data generation and the DuckDB check included)")
+                      help="TPC-H scale factor, > 0 (default 0.5: 3M rows; about 30-45 s on 2 idle cores, "
+                           "data generation, the P2P comparison and the DuckDB check included)")
     demo.add_argument("--workers", type=positive_int, default=None,
                       help="workers, >= 1 (default: one per core, at least 2)")
     demo.add_argument("--partitions", type=positive_int, default=None,

@@ -13,6 +13,7 @@ the same files. Needs the ``demo`` extra.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -85,6 +86,9 @@ def run(args: Any) -> int:
             print(f"MB/s      {nbytes / 1e6 / seconds:,.1f}")
             print("verified: " + ("OK" if ok else "FAILED"))
             if not args.no_compare:
+                # P2P's scheduler plugin logs each shuffle's start and end as
+                # WARNINGs (the LocalCluster's scheduler runs in this process).
+                logging.getLogger("distributed.shuffle").setLevel(logging.ERROR)
                 p2p, p2p_ok = _timed_shuffle(df, npartitions, "p2p", args.no_progress)
                 print(f"Dask P2P, same data and cluster: {p2p:.2f} s, {nbytes / 1e6 / p2p:,.1f} MB/s "
                       f"(verified: {'OK' if p2p_ok else 'FAILED'}): mpshuffle took {seconds / p2p:.2f}x "
