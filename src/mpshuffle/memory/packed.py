@@ -380,7 +380,7 @@ def narrowest(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return values.astype(_NATIVE[max(_width(top), 1)], copy=False)
 
 
-def compact_ints(values: npt.ArrayLike) -> bytes:
+def compact_ints(values: npt.ArrayLike, delta: bool = True) -> bytes:
     """``int64`` values in few bytes: their offsets from the smallest, in the narrowest unsigned width.
 
     Where the differences of neighbours span fewer bytes (ids in ascending
@@ -392,6 +392,9 @@ def compact_ints(values: npt.ArrayLike) -> bytes:
     ----------
     values
         One-dimensional integers that fit ``int64``.
+    delta
+        Whether to try the differences (a few array operations more; worth
+        it for values in order).
 
     Returns
     -------
@@ -402,25 +405,63 @@ def compact_ints(values: npt.ArrayLike) -> bytes:
         count (less one with differences) unsigned little-endian integers of
         that width, each value less the reference. Read by :func:`expand_ints`.
     """
-    v = np.ascontiguousarray(values).astype(np.int64, copy=False).ravel()
+    v = np.asarray(values)
+    if v.dtype != np.int64:
+        v = v.astype(np.int64)
+    v = v.ravel()
     n = len(v)
     if n == 0:
         return _COMPACT.pack(0, 0, 0)
-    stored, flag, head = v, 0, b""
     lo, hi = int(v.min()), int(v.max())
-    if n > 2:
-        with np.errstate(over="ignore"):
-            diffs = np.diff(v)  # modulo 2**64: the sum of the differences is exact as well
+    if lo == hi:
+        return _COMPACT.pack(0, n, lo)
+    stored, flag, head = v, 0, b""
+    if delta and n > 2:
+        diffs = np.diff(v)  # modulo 2**64 (array arithmetic wraps silently): their sum is exact as well
         dlo, dhi = int(diffs.min()), int(diffs.max())
         if _width(dhi - dlo) < _width(hi - lo):
             stored, flag, head, lo, hi = diffs, _DELTA, _FIRST.pack(int(v[0])), dlo, dhi
     width = _width(hi - lo)
     out = _COMPACT.pack(width | flag, n, lo) + head
     if width:
-        with np.errstate(over="ignore"):
-            rel = stored.view(np.uint64) - np.uint64(lo % 2**64)
+        rel = stored.view(np.uint64) - np.uint64(lo % 2**64)
         out += rel.astype(_UNSIGNED[width]).tobytes()
     return out
+
+
+def _expand(view: memoryview, offset: int) -> tuple[npt.NDArray[np.int64] | int, int, int]:
+    """``(values, count, end)`` of :func:`compact_ints`' bytes at ``offset``; values equal to one another as that ``int``."""
+    if offset < 0 or offset + _COMPACT.size > view.nbytes:
+        raise ValueError(f"compact integers at byte {offset} of {view.nbytes}: no room for their header")
+    tag, n, ref = _COMPACT.unpack_from(view, offset)
+    width, delta = tag & 0x0F, bool(tag & _DELTA)
+    at = offset + _COMPACT.size
+    if width not in (0, 1, 2, 4, 8) or tag & ~(0x0F | _DELTA) or n < 0:
+        raise ValueError(f"compact integers at byte {offset}: malformed header (tag {tag}, count {n})")
+    if not delta:
+        end = at + width * n
+        if end > view.nbytes:
+            raise ValueError(f"compact integers at byte {offset}: {n} of {width} bytes pass the end of {view.nbytes}")
+        if not width:
+            return ref, n, end
+        stored = np.frombuffer(view, _UNSIGNED[width], n, at).astype(np.uint64)
+        stored += np.uint64(ref % 2**64)
+        return stored.view(np.int64), n, end
+    if at + _FIRST.size > view.nbytes:
+        raise ValueError(f"compact integers at byte {offset}: truncated")
+    (first,) = _FIRST.unpack_from(view, at)
+    at += _FIRST.size
+    count = max(n - 1, 0)
+    end = at + width * count
+    if end > view.nbytes:
+        raise ValueError(f"compact integers at byte {offset}: {count} of {width} bytes pass the end of {view.nbytes}")
+    values = np.empty(n, np.uint64)
+    if n:
+        values[0] = first % 2**64
+        values[1:] = np.frombuffer(view, _UNSIGNED[width], count, at) if width else 0
+        values[1:] += np.uint64(ref % 2**64)
+        np.cumsum(values, out=values)  # modulo 2**64, as the differences were taken
+    return values.view(np.int64), n, end
 
 
 def expand_ints(data: Any, offset: int = 0) -> tuple[npt.NDArray[np.int64], int]:
@@ -443,30 +484,7 @@ def expand_ints(data: Any, offset: int = 0) -> tuple[npt.NDArray[np.int64], int]
     ValueError
         If ``data`` ends before the values or the header is malformed.
     """
-    view = memoryview(data).cast("B")
-    if offset < 0 or offset + _COMPACT.size > view.nbytes:
-        raise ValueError(f"compact integers at byte {offset} of {view.nbytes}: no room for their header")
-    tag, n, ref = _COMPACT.unpack_from(view, offset)
-    width, delta = tag & 0x0F, bool(tag & _DELTA)
-    at = offset + _COMPACT.size
-    if width not in (0, 1, 2, 4, 8) or tag & ~(0x0F | _DELTA) or n < 0:
-        raise ValueError(f"compact integers at byte {offset}: malformed header (tag {tag}, count {n})")
-    first = 0
-    if delta:
-        if at + _FIRST.size > view.nbytes:
-            raise ValueError(f"compact integers at byte {offset}: truncated")
-        (first,) = _FIRST.unpack_from(view, at)
-        at += _FIRST.size
-    count = n - 1 if delta and n else n
-    end = at + width * count
-    if end > view.nbytes:
-        raise ValueError(f"compact integers at byte {offset}: {count} of {width} bytes pass the end of {view.nbytes}")
-    with np.errstate(over="ignore"):
-        if width:
-            stored = np.frombuffer(view, _UNSIGNED[width], count, at).astype(np.uint64) + np.uint64(ref % 2**64)
-        else:
-            stored = np.full(count, ref % 2**64, np.uint64)
-        values = stored.view(np.int64)
-        if delta and n:
-            values = np.cumsum(np.concatenate(([first], values)), dtype=np.int64)
+    values, n, end = _expand(memoryview(data).cast("B"), offset)
+    if isinstance(values, int):
+        return np.full(n, values, np.int64), end
     return values, end

@@ -34,20 +34,12 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from mpshuffle.errors import SpillError
-from mpshuffle.memory.packed import PackedData, PieceTable, compact_ints, expand_ints, narrowest
+from mpshuffle.memory.packed import PackedData, PieceTable, _expand, compact_ints, narrowest
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 from mpshuffle.memory.store import DiskTier, admits
 
 __all__ = ["Chunk", "Postbox", "compact_pieces", "expand_pieces"]
-
-
-def _runs(frame_of: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """Each piece's run of neighbours in one frame (numbered from 0), and where each run starts."""
-    change = np.ones(len(frame_of), bool)
-    change[1:] = frame_of[1:] != frame_of[:-1]
-    starts = np.flatnonzero(change)
-    return np.cumsum(change) - 1, starts
 
 
 def compact_pieces(
@@ -75,11 +67,51 @@ def compact_pieces(
     frame = np.asarray(frame_of, np.int64)
     off = np.asarray(offset, np.int64)
     sz = np.asarray(size, np.int64)
-    expected = np.zeros(len(off), np.int64)
-    if len(off):
-        expected[1:] = off[:-1] + sz[:-1]
-        expected[_runs(frame)[1]] = 0
-    return b"".join(compact_ints(a) for a in (pids, nrows, meta_of, frame, off - expected, sz))
+    gap = off.copy()
+    if len(off) > 1:
+        gap[1:] -= off[:-1] + sz[:-1]
+        first = np.flatnonzero(frame[1:] != frame[:-1]) + 1  # a new run of one frame: its offset as it is
+        gap[first] = off[first]
+    return b"".join((
+        compact_ints(pids), compact_ints(nrows, delta=False), compact_ints(meta_of, delta=False),
+        compact_ints(frame, delta=False), compact_ints(gap, delta=False), compact_ints(sz, delta=False),
+    ))
+
+
+def _expand_pieces(data: Any) -> tuple[list[Any], int]:
+    """:func:`compact_pieces`' arrays as :func:`expand_pieces` gives them, arrays of equal values as that ``int``; and their length."""
+    view = memoryview(data).cast("B")
+    arrays: list[Any] = []
+    at = 0
+    lengths = set()
+    for _ in range(6):
+        values, n, at = _expand(view, at)
+        arrays.append(values)
+        lengths.add(n)
+    if len(lengths) != 1:
+        raise ValueError("a chunk's piece arrays (pids, nrows, meta_of, frame_of, offset, size) differ in length")
+    n = lengths.pop()
+    frame_of, gap, size = arrays[3], arrays[4], arrays[5]
+    sizes = np.full(n, size, np.int64) if isinstance(size, int) else size
+    if isinstance(frame_of, int) and isinstance(gap, int):
+        # One frame (as the shuffler sends them): the pieces' sizes, summed.
+        offset = np.cumsum(sizes)
+        offset -= sizes
+        if gap:
+            offset += gap * np.arange(1, n + 1)
+    else:
+        # offset = the gaps and the sizes of the pieces before, summed within each run of one frame.
+        frames = np.full(n, frame_of, np.int64) if isinstance(frame_of, int) else frame_of
+        step = np.full(n, gap, np.int64) if isinstance(gap, int) else gap.copy()
+        step[1:] += sizes[:-1]
+        change = np.ones(n, bool)
+        change[1:] = frames[1:] != frames[:-1]
+        starts = np.flatnonzero(change)
+        step[starts] -= np.concatenate(([0], sizes[:-1]))[starts]  # a run's first piece: its gap alone
+        total = np.cumsum(step)
+        offset = total - (total[starts] - step[starts])[np.cumsum(change) - 1] if n else total
+    arrays[4] = offset
+    return arrays, n
 
 
 def expand_pieces(data: Any) -> tuple[npt.NDArray[np.int64], ...]:
@@ -90,22 +122,16 @@ def expand_pieces(data: Any) -> tuple[npt.NDArray[np.int64], ...]:
     ValueError
         If the bytes are truncated or malformed, or the arrays differ in length.
     """
-    arrays, at = [], 0
-    for _ in range(6):
-        values, at = expand_ints(data, at)
-        arrays.append(values)
-    pids, nrows, meta_of, frame_of, gap, size = arrays
-    n = len(pids)
-    if not all(len(a) == n for a in arrays):
-        raise ValueError("a chunk's piece arrays (pids, nrows, meta_of, frame_of, offset, size) differ in length")
-    # offset = the gaps and the sizes of the pieces before, summed within each run of one frame.
-    step = gap.copy()
-    step[1:] += size[:-1]
-    run, starts = _runs(frame_of)
-    step[starts] = gap[starts]  # a run's first piece: its gap alone
-    total = np.cumsum(step)
-    offset = total - (total[starts] - step[starts])[run] if n else total
-    return pids, nrows, meta_of, frame_of, offset, size
+    arrays, n = _expand_pieces(data)
+    return tuple(np.full(n, a, np.int64) if isinstance(a, int) else a for a in arrays)
+
+
+def _low(values: npt.NDArray[np.int64] | int) -> int:
+    return values if isinstance(values, int) else int(values.min())
+
+
+def _high(values: npt.NDArray[np.int64] | int) -> int:
+    return values if isinstance(values, int) else int(values.max())
 
 
 class Chunk:
@@ -186,18 +212,23 @@ class Chunk:
         self.pieces = pieces
         self.metas = list(metas)
         self.frames: list[Any] | None = [f if isinstance(f, pa.Buffer) else pa.py_buffer(f) for f in frames]
-        _, _, meta_of, frame_of, offset, size = expand_pieces(pieces)
-        n = len(size)
+        (_, _, meta_of, frame_of, offset, size), n = _expand_pieces(pieces)
+        sizes = np.full(n, size, np.int64) if isinstance(size, int) else size
         if n:
-            if meta_of.min() < 0 or meta_of.max() >= len(self.metas):
+            if _low(meta_of) < 0 or _high(meta_of) >= len(self.metas):
                 raise ValueError(f"a chunk's piece names a metadata outside its {len(self.metas)}")
-            if frame_of.min() < 0 or frame_of.max() >= len(self.frames):
+            if _low(frame_of) < 0 or _high(frame_of) >= len(self.frames):
                 raise ValueError(f"a chunk's piece names a frame outside its {len(self.frames)}")
             frame_sizes = np.array([f.size for f in self.frames], np.int64)
-            if (offset < 0).any() or (size < 0).any() or (offset + size > frame_sizes[frame_of]).any():
+            ends = offset + sizes
+            if isinstance(frame_of, int):
+                outside = sizes.min() < 0 or offset.min() < 0 or ends.max() > frame_sizes[frame_of]
+            else:
+                outside = bool((offset < 0).any() or (sizes < 0).any() or (ends > frame_sizes[frame_of]).any())
+            if outside:
                 raise ValueError("a chunk's piece lies outside its frame")
         #: Bytes of the pieces' data.
-        self.data_bytes = int(size.sum())
+        self.data_bytes = int(sizes.sum())
         #: Bytes the chunk holds: its pieces' data and each metadata once.
         self.nbytes = self.data_bytes + sum(len(m) for m in self.metas)
         self.left = n
