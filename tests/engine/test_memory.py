@@ -507,3 +507,24 @@ def test_partition_owners_is_partition_owner_of_each_id() -> None:
         partition_owners(ids, 0)
     with pytest.raises(ValueError, match=">= 0"):
         partition_owners(np.array([3, -1]), 2)
+
+
+def test_the_postbox_files_a_piece_in_about_twenty_bytes(tmp_path: Any) -> None:
+    """Pieces filed under their partitions are arrays of narrow dtypes, not 8 int64 words a piece."""
+    box = Postbox(BufferResource({}, spill_dir=str(tmp_path)), "narrow")
+    nparts, ninputs = 2000, 20
+    for i in range(ninputs):
+        data = np.arange(nparts, dtype=np.int64) + 10_000 * i
+        sizes = np.full(nparts, 8, np.int64)
+        box.add_chunk(Chunk(
+            i, "a", 0, 0, pids=np.arange(nparts), nrows=np.ones(nparts, np.int64), meta_of=np.zeros(nparts),
+            frame_of=np.zeros(nparts), offset=np.cumsum(sizes) - sizes, size=sizes, metas=[b"m"],
+            frames=[data.tobytes()],
+        ))
+    assert [int(np.frombuffer(g.data, np.int64)[0]) for g in box.pop(0)] == [10_000 * i for i in range(ninputs)]
+    segments = {id(s): s for entries in box._where.values() for s, _ in entries}
+    (segment,) = segments.values()
+    per_piece = sum(getattr(segment, k).itemsize for k in segment.__slots__)
+    per_piece += max(ix.itemsize for entries in box._where.values() for _, ix in entries)
+    assert per_piece <= 22  # was 64: seven int64 arrays and an int64 index
+    box.clear()

@@ -145,3 +145,58 @@ def test_pieces_are_slices_of_one_buffer() -> None:
     addresses = sorted((p.data.address, p.data.size) for p in pieces.values())
     for (a, size), (b, _) in itertools.pairwise(addresses):
         assert a + size <= b and b - (a + size) < 64
+
+
+def test_pieces_carry_no_layout_of_their_own() -> None:
+    # A one-row piece of two 8-byte columns is their 16 bytes: where each
+    # buffer lies follows from the row count and the insert's metadata.
+    frame = pd.DataFrame({"key": np.arange(64, dtype=np.int64), "v": np.linspace(0, 1, 64)})
+    pieces = PandasAdapter().split(frame, ["key"], 64)
+    one_row = [p for p in pieces.values() if p.nrows == 1]
+    assert one_row and all(p.data.size == 16 for p in one_row)
+    out = PandasAdapter().unpack(list(pieces.values()), frame.iloc[:0])
+    assert sorted(out["key"]) == list(range(64))
+
+
+def _truncated(piece: Any, size: int) -> Any:
+    from mpshuffle.memory.packed import PackedData
+
+    # A copy of the first bytes alone, so nothing past them is mapped on purpose.
+    return PackedData(piece.metadata, pa.py_buffer(bytes(piece.data)[:size]), piece.nrows)
+
+
+@pytest.mark.parametrize("cut", ["offsets", "strings", "empty"])
+def test_truncated_piece_is_refused_before_reading_past_it(cut: str) -> None:
+    from mpshuffle.errors import ShuffleError
+    from mpshuffle.table._columns import gather
+
+    frame = pd.DataFrame({
+        "key": np.arange(40, dtype=np.int64), "s": pd.array([f"value-{i}" * 3 for i in range(40)], dtype="str"),
+    })
+    pieces = PandasAdapter().split(frame, ["key"], 2)
+    piece = next(iter(pieces.values()))
+    full = piece.data.size
+    # key data (8 n bytes), then the string offsets, then the strings.
+    size = {"offsets": 8 * piece.nrows + 4, "strings": full - 16, "empty": 0}[cut]
+    short = _truncated(piece, size)
+    with pytest.raises(ShuffleError, match="truncated or corrupt"):
+        read_piece(short)
+    with pytest.raises(ShuffleError, match="truncated or corrupt"):
+        gather([piece, short])
+
+
+def test_corrupt_last_offset_is_refused() -> None:
+    from mpshuffle.errors import ShuffleError
+    from mpshuffle.memory.packed import PackedData
+
+    frame = pd.DataFrame({"key": np.arange(8, dtype=np.int64), "s": pd.array(["ab"] * 8, dtype="str")})
+    piece = next(iter(PandasAdapter().split(frame, ["key"], 1).values()))
+    data = bytearray(bytes(piece.data))
+    # The last string offset (after the key's 8 n bytes; int32 or int64 as
+    # the column's type) says 2**30 bytes follow.
+    width = (len(data) - 8 * piece.nrows - 16 - 8) // (piece.nrows + 1)
+    assert width in (4, 8)
+    at = 8 * piece.nrows + width * piece.nrows
+    data[at : at + width] = (2**30).to_bytes(width, "little")
+    with pytest.raises(ShuffleError, match="truncated or corrupt"):
+        read_piece(PackedData(piece.metadata, pa.py_buffer(bytes(data)), piece.nrows))

@@ -25,12 +25,28 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-__all__ = ["PackedData", "PackedPieces", "PieceTable", "distinct_metadata", "packed_nbytes"]
+__all__ = [
+    "PackedData",
+    "PackedPieces",
+    "PieceTable",
+    "compact_ints",
+    "distinct_metadata",
+    "expand_ints",
+    "narrowest",
+    "packed_nbytes",
+]
 
 # The first frame of ``to_frames`` is this prefix (nrows, little-endian uint64)
 # followed by the adapter's metadata, so a receiver needs no side channel to
 # learn the row count.
 _NROWS = struct.Struct("<Q")
+# compact_ints' header: the width and delta flag, the count, the reference
+# value (and, with deltas, the first value).
+_COMPACT = struct.Struct("<Bqq")
+_FIRST = struct.Struct("<q")
+_DELTA = 0x10
+_UNSIGNED: dict[int, np.dtype[Any]] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_NATIVE: dict[int, type[np.integer[Any]]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.int64}
 
 
 def _buffer_size(data: Any) -> int:
@@ -334,3 +350,141 @@ class PackedPieces(Mapping[int, PackedData]):
         except (TypeError, ValueError):
             return False
         return at < len(pids) and pids[at] == pid
+
+
+def _width(span: int) -> int:
+    """Bytes of the narrowest unsigned integer holding ``0 .. span`` (0 for a span of 0)."""
+    if span == 0:
+        return 0
+    return next(w for w in (1, 2, 4, 8) if span < 1 << (8 * w))
+
+
+def narrowest(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``values`` (non-negative ``int64``) in the narrowest unsigned dtype that holds them, ``int64`` past 32 bits.
+
+    ``int64`` rather than ``uint64`` for the widest, so that arrays of
+    different widths concatenate to an integer dtype (``uint64`` with
+    ``int64`` would give ``float64``).
+
+    Parameters
+    ----------
+    values
+        Integers, none negative.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``uint8``, ``uint16``, ``uint32`` or ``int64``, equal values.
+    """
+    top = int(values.max()) if len(values) else 0
+    return values.astype(_NATIVE[max(_width(top), 1)], copy=False)
+
+
+def compact_ints(values: npt.ArrayLike, delta: bool = True) -> bytes:
+    """``int64`` values in few bytes: their offsets from the smallest, in the narrowest unsigned width.
+
+    Where the differences of neighbours span fewer bytes (ids in ascending
+    order, offsets of back-to-back pieces) the differences are stored
+    instead. Values that are all equal take no bytes past the header
+    (17 bytes); arithmetic is modulo 2**64, so any ``int64`` values round-trip.
+
+    Parameters
+    ----------
+    values
+        One-dimensional integers that fit ``int64``.
+    delta
+        Whether to try the differences (a few array operations more; worth
+        it for values in order).
+
+    Returns
+    -------
+    bytes
+        ``<Bqq``: the width in bytes (0, 1, 2, 4 or 8, ``| 0x10`` for
+        differences), the count and the reference (the smallest value or
+        difference); with differences the first value (``<q``); then the
+        count (less one with differences) unsigned little-endian integers of
+        that width, each value less the reference. Read by :func:`expand_ints`.
+    """
+    v = np.asarray(values)
+    if v.dtype != np.int64:
+        v = v.astype(np.int64)
+    v = v.ravel()
+    n = len(v)
+    if n == 0:
+        return _COMPACT.pack(0, 0, 0)
+    lo, hi = int(v.min()), int(v.max())
+    if lo == hi:
+        return _COMPACT.pack(0, n, lo)
+    stored, flag, head = v, 0, b""
+    if delta and n > 2:
+        diffs = np.diff(v)  # modulo 2**64 (array arithmetic wraps silently): their sum is exact as well
+        dlo, dhi = int(diffs.min()), int(diffs.max())
+        if _width(dhi - dlo) < _width(hi - lo):
+            stored, flag, head, lo, hi = diffs, _DELTA, _FIRST.pack(int(v[0])), dlo, dhi
+    width = _width(hi - lo)
+    out = _COMPACT.pack(width | flag, n, lo) + head
+    if width:
+        rel = stored.view(np.uint64) - np.uint64(lo % 2**64)
+        out += rel.astype(_UNSIGNED[width]).tobytes()
+    return out
+
+
+def _expand(view: memoryview, offset: int) -> tuple[npt.NDArray[np.int64] | int, int, int]:
+    """``(values, count, end)`` of :func:`compact_ints`' bytes at ``offset``; values equal to one another as that ``int``."""
+    if offset < 0 or offset + _COMPACT.size > view.nbytes:
+        raise ValueError(f"compact integers at byte {offset} of {view.nbytes}: no room for their header")
+    tag, n, ref = _COMPACT.unpack_from(view, offset)
+    width, delta = tag & 0x0F, bool(tag & _DELTA)
+    at = offset + _COMPACT.size
+    if width not in (0, 1, 2, 4, 8) or tag & ~(0x0F | _DELTA) or n < 0:
+        raise ValueError(f"compact integers at byte {offset}: malformed header (tag {tag}, count {n})")
+    if not delta:
+        end = at + width * n
+        if end > view.nbytes:
+            raise ValueError(f"compact integers at byte {offset}: {n} of {width} bytes pass the end of {view.nbytes}")
+        if not width:
+            return ref, n, end
+        stored = np.frombuffer(view, _UNSIGNED[width], n, at).astype(np.uint64)
+        stored += np.uint64(ref % 2**64)
+        return stored.view(np.int64), n, end
+    if at + _FIRST.size > view.nbytes:
+        raise ValueError(f"compact integers at byte {offset}: truncated")
+    (first,) = _FIRST.unpack_from(view, at)
+    at += _FIRST.size
+    count = max(n - 1, 0)
+    end = at + width * count
+    if end > view.nbytes:
+        raise ValueError(f"compact integers at byte {offset}: {count} of {width} bytes pass the end of {view.nbytes}")
+    values = np.empty(n, np.uint64)
+    if n:
+        values[0] = first % 2**64
+        values[1:] = np.frombuffer(view, _UNSIGNED[width], count, at) if width else 0
+        values[1:] += np.uint64(ref % 2**64)
+        np.cumsum(values, out=values)  # modulo 2**64, as the differences were taken
+    return values.view(np.int64), n, end
+
+
+def expand_ints(data: Any, offset: int = 0) -> tuple[npt.NDArray[np.int64], int]:
+    """The values :func:`compact_ints` wrote at byte ``offset`` of ``data``, and the offset past them.
+
+    Parameters
+    ----------
+    data
+        A buffer-protocol object.
+    offset
+        Where the values start in ``data``, in bytes.
+
+    Returns
+    -------
+    (values, end)
+        ``int64`` values (a new array) and the byte offset just past them.
+
+    Raises
+    ------
+    ValueError
+        If ``data`` ends before the values or the header is malformed.
+    """
+    values, n, end = _expand(memoryview(data).cast("B"), offset)
+    if isinstance(values, int):
+        return np.full(n, values, np.int64), end
+    return values, end

@@ -34,24 +34,118 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from mpshuffle.errors import SpillError
-from mpshuffle.memory.packed import PackedData, PieceTable
+from mpshuffle.memory.packed import PackedData, PieceTable, _expand, compact_ints, narrowest
 from mpshuffle.memory.resource import BufferResource, MemoryType, Reservation
 from mpshuffle.memory.spill import SpillDirectory
 from mpshuffle.memory.store import DiskTier, admits
 
-__all__ = ["Chunk", "Postbox"]
+__all__ = ["Chunk", "Postbox", "compact_pieces", "expand_pieces"]
+
+
+def compact_pieces(
+    pids: npt.ArrayLike, nrows: npt.ArrayLike, meta_of: npt.ArrayLike, frame_of: npt.ArrayLike,
+    offset: npt.ArrayLike, size: npt.ArrayLike,
+) -> bytes:
+    """A chunk's piece arrays in few bytes (a chunk header's, read by :meth:`Chunk.received`).
+
+    Each array by :func:`~mpshuffle.memory.packed.compact_ints`, in this
+    order; ``offset`` as each piece's gap after the previous piece of its
+    frame (0 for pieces back to back, as the shuffler sends them), so for
+    ascending partition ids, small row counts and pieces of one frame a
+    piece costs a few bytes, not 40.
+
+    Parameters
+    ----------
+    pids, nrows, meta_of, frame_of, offset, size
+        One entry per piece, as :class:`Chunk` takes them.
+
+    Returns
+    -------
+    bytes
+        The six arrays, one after another.
+    """
+    frame = np.asarray(frame_of, np.int64)
+    off = np.asarray(offset, np.int64)
+    sz = np.asarray(size, np.int64)
+    gap = off.copy()
+    if len(off) > 1:
+        gap[1:] -= off[:-1] + sz[:-1]
+        first = np.flatnonzero(frame[1:] != frame[:-1]) + 1  # a new run of one frame: its offset as it is
+        gap[first] = off[first]
+    return b"".join((
+        compact_ints(pids), compact_ints(nrows, delta=False), compact_ints(meta_of, delta=False),
+        compact_ints(frame, delta=False), compact_ints(gap, delta=False), compact_ints(sz, delta=False),
+    ))
+
+
+def _expand_pieces(data: Any) -> tuple[list[Any], int]:
+    """:func:`compact_pieces`' arrays as :func:`expand_pieces` gives them, arrays of equal values as that ``int``; and their length."""
+    view = memoryview(data).cast("B")
+    arrays: list[Any] = []
+    at = 0
+    lengths = set()
+    for _ in range(6):
+        values, n, at = _expand(view, at)
+        arrays.append(values)
+        lengths.add(n)
+    if len(lengths) != 1:
+        raise ValueError("a chunk's piece arrays (pids, nrows, meta_of, frame_of, offset, size) differ in length")
+    n = lengths.pop()
+    frame_of, gap, size = arrays[3], arrays[4], arrays[5]
+    sizes = np.full(n, size, np.int64) if isinstance(size, int) else size
+    if isinstance(frame_of, int) and isinstance(gap, int):
+        # One frame (as the shuffler sends them): the pieces' sizes, summed.
+        offset = np.cumsum(sizes)
+        offset -= sizes
+        if gap:
+            offset += gap * np.arange(1, n + 1)
+    else:
+        # offset = the gaps and the sizes of the pieces before, summed within each run of one frame.
+        frames = np.full(n, frame_of, np.int64) if isinstance(frame_of, int) else frame_of
+        step = np.full(n, gap, np.int64) if isinstance(gap, int) else gap.copy()
+        step[1:] += sizes[:-1]
+        change = np.ones(n, bool)
+        change[1:] = frames[1:] != frames[:-1]
+        starts = np.flatnonzero(change)
+        step[starts] -= np.concatenate(([0], sizes[:-1]))[starts]  # a run's first piece: its gap alone
+        total = np.cumsum(step)
+        offset = total - (total[starts] - step[starts])[np.cumsum(change) - 1] if n else total
+    arrays[4] = offset
+    return arrays, n
+
+
+def expand_pieces(data: Any) -> tuple[npt.NDArray[np.int64], ...]:
+    """``(pids, nrows, meta_of, frame_of, offset, size)`` of :func:`compact_pieces`' bytes (``int64``).
+
+    Raises
+    ------
+    ValueError
+        If the bytes are truncated or malformed, or the arrays differ in length.
+    """
+    arrays, n = _expand_pieces(data)
+    return tuple(np.full(n, a, np.int64) if isinstance(a, int) else a for a in arrays)
+
+
+def _low(values: npt.NDArray[np.int64] | int) -> int:
+    return values if isinstance(values, int) else int(values.min())
+
+
+def _high(values: npt.NDArray[np.int64] | int) -> int:
+    return values if isinstance(values, int) else int(values.max())
 
 
 class Chunk:
-    """The pieces of one received chunk, as arrays: one object whatever their number.
+    """The pieces of one received chunk, as compact arrays: one object whatever their number.
 
     Piece ``k`` belongs to output partition ``pids[k]``, has ``nrows[k]``
     rows and metadata ``metas[meta_of[k]]``, and its data is the
     ``size[k]`` bytes at ``offset[k]`` of ``frames[frame_of[k]]``. Pieces of
     one partition are ordered by ``(input_index, attempt, src, seq + k)``:
     by input partition, then by their position in the sender's sequence.
-    Once a :class:`Postbox` has filed the chunk under its partitions, the
-    piece arrays are empty (the postbox's arrays hold what they said).
+    The arrays are held as :func:`compact_pieces` bytes (a few bytes a
+    piece while the chunk waits to be filed; :meth:`arrays` expands them);
+    once a :class:`Postbox` has filed the chunk under its partitions they
+    are dropped (the postbox's arrays hold what they said).
 
     Parameters
     ----------
@@ -64,8 +158,8 @@ class Chunk:
     seq
         The sender's sequence number of the chunk's first piece.
     pids, nrows, meta_of, frame_of, offset, size
-        One entry per piece (shape ``(n,)``; ``int64``, ``meta_of`` and
-        ``frame_of`` ``int32``); ``offset`` and ``size`` in bytes.
+        One entry per piece (shape ``(n,)``, integers); ``offset`` and
+        ``size`` in bytes.
     metas
         The distinct metadata of the pieces.
     frames
@@ -74,43 +168,77 @@ class Chunk:
     Raises
     ------
     ValueError
-        If the arrays differ in length, or a piece's byte range is outside
-        its frame.
+        If the arrays differ in length, or a piece's metadata, frame or byte
+        range is outside the chunk's.
     """
 
     __slots__ = (
-        "attempt", "file_at", "frame_of", "frames", "frames_at", "input_index", "left", "meta_of", "metas",
-        "nbytes", "nrows", "offset", "pids", "reservation", "seq", "size", "src",
+        "attempt", "data_bytes", "file_at", "frames", "frames_at", "input_index", "left", "metas", "nbytes",
+        "pieces", "reservation", "seq", "src",
     )
 
     def __init__(
         self, input_index: int, attempt: str, src: int, seq: int, *,
-        pids: npt.NDArray[Any], nrows: npt.NDArray[Any], meta_of: npt.NDArray[Any],
-        frame_of: npt.NDArray[Any], offset: npt.NDArray[Any], size: npt.NDArray[Any],
+        pids: npt.ArrayLike, nrows: npt.ArrayLike, meta_of: npt.ArrayLike,
+        frame_of: npt.ArrayLike, offset: npt.ArrayLike, size: npt.ArrayLike,
         metas: Sequence[bytes], frames: Sequence[Any],
     ) -> None:
-        n = len(pids)
-        if not all(len(a) == n for a in (nrows, meta_of, frame_of, offset, size)):
+        arrays = [np.asarray(a) for a in (pids, nrows, meta_of, frame_of, offset, size)]
+        if not all(len(a) == len(arrays[0]) for a in arrays):
             raise ValueError("a chunk's piece arrays (pids, nrows, meta_of, frame_of, offset, size) differ in length")
+        self._set(input_index, attempt, src, seq, compact_pieces(*arrays), metas, frames)
+
+    @classmethod
+    def received(
+        cls, input_index: int, attempt: str, src: int, seq: int, *, pieces: Any, metas: Sequence[bytes],
+        frames: Sequence[Any],
+    ) -> Chunk:
+        """A chunk whose piece arrays are :func:`compact_pieces` bytes (a received header's), kept as they are.
+
+        Raises
+        ------
+        ValueError
+            As the constructor, or if ``pieces`` is malformed.
+        """
+        chunk = cls.__new__(cls)
+        chunk._set(input_index, attempt, src, seq, bytes(pieces), metas, frames)
+        return chunk
+
+    def _set(
+        self, input_index: int, attempt: str, src: int, seq: int, pieces: bytes, metas: Sequence[bytes],
+        frames: Sequence[Any],
+    ) -> None:
         self.input_index, self.attempt, self.src, self.seq = input_index, attempt, src, seq
-        self.pids = np.asarray(pids, np.int64)
-        self.nrows = np.asarray(nrows, np.int64)
-        self.meta_of = np.asarray(meta_of, np.int32)
-        self.frame_of = np.asarray(frame_of, np.int32)
-        self.offset = np.asarray(offset, np.int64)
-        self.size = np.asarray(size, np.int64)
+        self.pieces = pieces
         self.metas = list(metas)
         self.frames: list[Any] | None = [f if isinstance(f, pa.Buffer) else pa.py_buffer(f) for f in frames]
+        (_, _, meta_of, frame_of, offset, size), n = _expand_pieces(pieces)
+        sizes = np.full(n, size, np.int64) if isinstance(size, int) else size
         if n:
+            if _low(meta_of) < 0 or _high(meta_of) >= len(self.metas):
+                raise ValueError(f"a chunk's piece names a metadata outside its {len(self.metas)}")
+            if _low(frame_of) < 0 or _high(frame_of) >= len(self.frames):
+                raise ValueError(f"a chunk's piece names a frame outside its {len(self.frames)}")
             frame_sizes = np.array([f.size for f in self.frames], np.int64)
-            if (self.offset < 0).any() or (self.offset + self.size > frame_sizes[self.frame_of]).any():
+            ends = offset + sizes
+            if isinstance(frame_of, int):
+                outside = sizes.min() < 0 or offset.min() < 0 or ends.max() > frame_sizes[frame_of]
+            else:
+                outside = bool((offset < 0).any() or (sizes < 0).any() or (ends > frame_sizes[frame_of]).any())
+            if outside:
                 raise ValueError("a chunk's piece lies outside its frame")
+        #: Bytes of the pieces' data.
+        self.data_bytes = int(sizes.sum())
         #: Bytes the chunk holds: its pieces' data and each metadata once.
-        self.nbytes = int(self.size.sum()) + sum(len(m) for m in self.metas)
+        self.nbytes = self.data_bytes + sum(len(m) for m in self.metas)
         self.left = n
         self.reservation: Reservation | None = None
         self.file_at: npt.NDArray[np.int64] | None = None  # each frame's offset in the spill file
         self.frames_at = 0  # where its frames start in the postbox's frame list, once indexed
+
+    def arrays(self) -> tuple[npt.NDArray[np.int64], ...]:
+        """``(pids, nrows, meta_of, frame_of, offset, size)``, ``int64`` (empty once filed)."""
+        return expand_pieces(self.pieces)
 
     @classmethod
     def of_pieces(
@@ -165,8 +293,8 @@ class Postbox:
         self._left = np.zeros(16, np.int64)  # pieces of each chunk not popped yet
         self._unindexed: list[int] = []
         # Per chunk, what orders its pieces (filled by _index, as arrays).
-        self._orders: list[tuple[int, int, int]] = []  # (input_index, attempt number, src)
-        self._order_arrays = np.zeros((3, 0), np.int64)
+        self._orders: list[tuple[int, int, int, int]] = []  # (input_index, attempt number, src, seq)
+        self._order_arrays = np.zeros((4, 0), np.int64)
         self._attempts: dict[str, int] = {}
         self._attempt_rank = np.zeros(0, np.int64)
         self._kept = np.zeros(0, np.int8)  # per chunk: -1 not asked yet, 0 dropped, 1 kept
@@ -176,7 +304,7 @@ class Postbox:
         self._meta_list: list[bytes] = []
         self._frames: list[Any] = []
         # partition id -> [(segment, piece numbers in it)], filled by _index.
-        self._where: dict[int, list[tuple[_Segment, npt.NDArray[np.int64]]]] = {}
+        self._where: dict[int, list[tuple[_Segment, npt.NDArray[Any]]]] = {}
         self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
 
     def add(self, partition_id: int, order: tuple[int, str, int, int], piece: PackedData) -> None:
@@ -290,6 +418,7 @@ class Postbox:
                         in_memory = np.flatnonzero(segment.frame >= 0)
                         to = file_of_frame[segment.frame[in_memory]]
                         now = in_memory[to >= 0]
+                        segment.position = segment.position.astype(np.int64)  # file positions pass 32 bits
                         segment.position[now] += to[to >= 0]
                         segment.frame[now] = -1
         return moved
@@ -317,41 +446,40 @@ class Postbox:
         numbers = self._unindexed
         self._unindexed = []
         chunks: list[Chunk] = [self._chunks[c] for c in numbers]  # type: ignore[misc]
-        counts = np.array([len(ch.pids) for ch in chunks], np.int64)
-        starts = np.cumsum(counts) - counts
+        arrays = [ch.arrays() for ch in chunks]
+        counts = np.array([len(a[0]) for a in arrays], np.int64)
         frame_no, position = [], []
-        for ch in chunks:
-            key = (ch.input_index, self._attempts.setdefault(ch.attempt, len(self._attempts)), ch.src)
+        for ch, (_, _, _, frame_of, offset, _) in zip(chunks, arrays, strict=True):
+            key = (ch.input_index, self._attempts.setdefault(ch.attempt, len(self._attempts)), ch.src, ch.seq)
             self._orders.append(key)
             if ch.frames is not None:
                 ch.frames_at = len(self._frames)
                 self._frames.extend(ch.frames)
-                frame_no.append(ch.frame_of.astype(np.int64) + ch.frames_at)
-                position.append(ch.offset)
+                frame_no.append(frame_of + ch.frames_at)
+                position.append(offset)
             else:
                 assert ch.file_at is not None
-                frame_no.append(np.full(len(ch.pids), -1, np.int64))
-                position.append(ch.file_at[ch.frame_of] + ch.offset)
-        self._order_arrays = np.array(self._orders, np.int64).reshape(-1, 3).T
+                frame_no.append(np.full(len(frame_of), -1, np.int64))
+                position.append(ch.file_at[frame_of] + offset)
+            ch.pieces = _NO_PIECES  # the segment holds what they said
+        self._order_arrays = np.array(self._orders, np.int64).reshape(-1, 4).T
         if len(self._attempt_rank) != len(self._attempts):  # attempt number -> its rank by value
             self._attempt_rank = np.argsort(np.argsort(np.array(list(self._attempts), dtype=object)))
-        piece_no = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+        # Each array in the narrowest dtype its values need: ~20 bytes a piece, not 64.
         segment = _Segment(
-            chunk=np.repeat(np.asarray(numbers, np.int64), counts),
-            seq=np.repeat(np.array([ch.seq for ch in chunks], np.int64), counts) + piece_no,
-            nrows=np.concatenate([ch.nrows for ch in chunks]),
-            meta=np.concatenate([
-                np.array([self._meta_number(m) for m in ch.metas], np.int64)[ch.meta_of] for ch in chunks
-            ]),
-            frame=np.concatenate(frame_no),
-            position=np.concatenate(position),
-            size=np.concatenate([ch.size for ch in chunks]),
+            chunk=np.repeat(np.asarray(numbers, np.uint32), counts),
+            nrows=narrowest(np.concatenate([a[1] for a in arrays])),
+            meta=narrowest(np.concatenate([
+                np.array([self._meta_number(m) for m in ch.metas], np.int64)[a[2]]
+                for ch, a in zip(chunks, arrays, strict=True)
+            ])),
+            frame=np.concatenate(frame_no).astype(np.int32),
+            position=narrowest(np.concatenate(position)),
+            size=narrowest(np.concatenate([a[5] for a in arrays])),
         )
-        pids = np.concatenate([ch.pids for ch in chunks])
-        for ch in chunks:  # the segment holds what they said (and their received headers can go)
-            ch.pids = ch.nrows = ch.offset = ch.size = _NO_PIECES
-            ch.meta_of = ch.frame_of = _NO_NUMBERS
-        by_pid = np.argsort(pids, kind="stable")
+        pids = np.concatenate([a[0] for a in arrays])
+        del arrays
+        by_pid = narrowest(np.argsort(pids, kind="stable"))
         sorted_pids = pids[by_pid]
         cuts = np.flatnonzero(sorted_pids[1:] != sorted_pids[:-1]) + 1
         bounds = np.concatenate(([0], cuts, [len(pids)])).tolist()
@@ -398,8 +526,10 @@ class Postbox:
                     pieces = pieces.take(np.flatnonzero(kept))
             if not len(pieces.chunk):
                 return _empty_table()
-            inp, att, src = self._order_arrays[:, pieces.chunk]
-            pieces = pieces.take(np.lexsort((pieces.seq, src, self._attempt_rank[att], inp)))
+            # A chunk's pieces come in its order (the order of the segment), so
+            # sorting by chunk, stably, orders them by the sender's sequence.
+            inp, att, src, seq = self._order_arrays[:, pieces.chunk]
+            pieces = pieces.take(np.lexsort((seq, src, self._attempt_rank[att], inp)))
             in_memory = pieces.frame >= 0
             frames, frame_at = np.unique(pieces.frame[in_memory], return_inverse=True)
             buffers = [self._frames[f] for f in frames.tolist()]
@@ -407,7 +537,7 @@ class Postbox:
             meta_list = [self._meta_list[m] for m in metas.tolist()]
         buffer_of = np.full(len(pieces.chunk), len(buffers), np.int32)
         buffer_of[in_memory] = frame_at
-        offset = pieces.position.copy()
+        offset = pieces.position.astype(np.int64)
         if not in_memory.all():
             on_disk = np.flatnonzero(~in_memory)
             ranges = list(zip(pieces.position[on_disk].tolist(), pieces.size[on_disk].tolist(), strict=True))
@@ -423,8 +553,8 @@ class Postbox:
         if len(buffers) > len(frames):
             buffers[-1] = pa.py_buffer(buffers[-1])  # the read-back buffer (the frames are Buffers already)
         table = PieceTable._unchecked(
-            np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows, meta_of.astype(np.int32),
-            meta_list, buffer_of, offset, pieces.size, buffers,
+            np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows.astype(np.int64),
+            meta_of.astype(np.int32), meta_list, buffer_of, offset, pieces.size.astype(np.int64), buffers,
         )
         with self._lock:
             self._done(pieces.chunk)
@@ -520,27 +650,29 @@ class Postbox:
 class _Segment:
     """Pieces of the chunks one :meth:`Postbox._index` filed, as arrays (one entry per piece).
 
-    ``chunk`` is the postbox's chunk number, ``seq`` the sender's sequence
-    number of the piece, ``meta`` the postbox's metadata number, ``frame``
-    the postbox's frame number (``-1`` for a spilled chunk) and ``position``
-    the byte offset in that frame (in the spill file for a spilled chunk).
+    ``chunk`` is the postbox's chunk number (``uint32``), ``nrows`` the
+    piece's rows, ``meta`` the postbox's metadata number, ``frame`` the
+    postbox's frame number (``int32``, ``-1`` for a spilled chunk),
+    ``position`` the byte offset in that frame (in the spill file for a
+    spilled chunk) and ``size`` its bytes; each in the narrowest dtype its
+    values need (:func:`~mpshuffle.memory.packed.narrowest`). The pieces of
+    one chunk follow each other in their order in the chunk.
     """
 
-    __slots__ = ("chunk", "frame", "meta", "nrows", "position", "seq", "size")
+    __slots__ = ("chunk", "frame", "meta", "nrows", "position", "size")
 
     def __init__(
-        self, *, chunk: npt.NDArray[np.int64], seq: npt.NDArray[np.int64], nrows: npt.NDArray[np.int64],
-        meta: npt.NDArray[np.int64], frame: npt.NDArray[np.int64], position: npt.NDArray[np.int64],
-        size: npt.NDArray[np.int64],
+        self, *, chunk: npt.NDArray[Any], nrows: npt.NDArray[Any], meta: npt.NDArray[Any],
+        frame: npt.NDArray[Any], position: npt.NDArray[Any], size: npt.NDArray[Any],
     ) -> None:
-        self.chunk, self.seq, self.nrows, self.meta = chunk, seq, nrows, meta
+        self.chunk, self.nrows, self.meta = chunk, nrows, meta
         self.frame, self.position, self.size = frame, position, size
 
-    def take(self, ix: npt.NDArray[np.int64]) -> _Segment:
+    def take(self, ix: npt.NDArray[Any]) -> _Segment:
         return _Segment(**{k: getattr(self, k)[ix] for k in self.__slots__})
 
     @staticmethod
-    def joined(parts: Sequence[tuple[_Segment, npt.NDArray[np.int64]]]) -> _Segment:
+    def joined(parts: Sequence[tuple[_Segment, npt.NDArray[Any]]]) -> _Segment:
         """The pieces ``ix`` of each ``(segment, ix)``, one after another."""
         if len(parts) == 1:
             segment, ix = parts[0]
@@ -550,8 +682,7 @@ class _Segment:
         })
 
 
-_NO_PIECES = np.zeros(0, np.int64)
-_NO_NUMBERS = np.zeros(0, np.int32)
+_NO_PIECES = compact_pieces([], [], [], [], [], [])
 
 
 def _empty_table() -> PieceTable:

@@ -22,7 +22,9 @@ A chunk is pieces of one input partition for one destination, a range of
 neighbouring partitions (an insert cuts a destination's pieces in a few
 such ranges, :data:`RELEASE_GROUPS`, so the receiver frees each once its
 range is extracted), as one message whatever their number: a small header
-(every piece's partition, row count, metadata and byte range as arrays),
+(every piece's partition, row count, metadata and byte range as arrays,
+each in the fewest bytes its values need: ~3-5 bytes a piece,
+:func:`~mpshuffle.memory.postbox.compact_pieces`),
 each distinct metadata once
 (the pieces of one insert share theirs), then the data as few frames as
 the pieces' memory allows (the pieces :func:`~mpshuffle.table._columns.pack`
@@ -53,6 +55,7 @@ from mpshuffle.errors import (
 )
 from mpshuffle.memory import BufferResource, Chunk, MemoryType, Postbox
 from mpshuffle.memory.packed import PackedPieces, PieceTable
+from mpshuffle.memory.postbox import compact_pieces
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import PackedData
 from mpshuffle.table.hashing import partition_owners
@@ -258,7 +261,7 @@ class Shuffler(Run):
         kind = tag[2]
         if kind == "chunk":
             chunk = _received_chunk(src, frames)
-            nbytes = int(chunk.size.sum())
+            nbytes = chunk.data_bytes
             if self._error is None and not self._closed:
                 try:
                     # Spilling happens here, on the progress thread: while it
@@ -575,8 +578,7 @@ def _chunk_frames(
     ]
     header = msgpack.packb({
         "input": input_index, "attempt": attempt, "seq": seq, "metas": len(meta_frames),
-        "pids": table.pids[ix].tobytes(), "nrows": table.nrows[ix].tobytes(), "meta_of": meta_of.tobytes(),
-        "frame_of": frame_of.tobytes(), "offset": offset.tobytes(), "size": size.tobytes(),
+        "pieces": compact_pieces(table.pids[ix], table.nrows[ix], meta_of, frame_of, offset, size),
     })
     return [header, *meta_frames, *data_frames], int(size.sum())
 
@@ -585,14 +587,8 @@ def _received_chunk(src: int, frames: Frames) -> Chunk:
     """The :class:`~mpshuffle.memory.postbox.Chunk` of a received chunk's frames; the data stays in the frames."""
     header = msgpack.unpackb(frames[0])
     nmetas = header["metas"]
-    return Chunk(
-        header["input"], header["attempt"], src, header["seq"],
-        pids=np.frombuffer(header["pids"], np.int64),
-        nrows=np.frombuffer(header["nrows"], np.int64),
-        meta_of=np.frombuffer(header["meta_of"], np.int32),
-        frame_of=np.frombuffer(header["frame_of"], np.int32),
-        offset=np.frombuffer(header["offset"], np.int64),
-        size=np.frombuffer(header["size"], np.int64),
+    return Chunk.received(
+        header["input"], header["attempt"], src, header["seq"], pieces=header["pieces"],
         metas=[bytes(f) for f in frames[1 : 1 + nmetas]],
         frames=frames[1 + nmetas :],
     )

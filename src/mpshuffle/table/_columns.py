@@ -18,9 +18,13 @@ The insert of a frame with ``n`` rows into ``P`` partitions is:
    laid out as Arrow buffers (validity bitmap, offsets, data). The pieces are
    zero-copy slices of that buffer: there is no serialization copy.
 
-A piece's metadata is the schema and column layout, one ``bytes`` object
-shared by all pieces of one insert (sent once per chunk); the piece's data
-starts with its own buffer offsets. :func:`read_piece` rebuilds a zero-copy
+A piece's metadata is the schema, the column layout and the alignment,
+one ``bytes`` object shared by all pieces of one insert (sent once per
+chunk). A piece's data is its buffers alone (led only by the sizes of
+IPC or pickled columns, when it has some): where each buffer lies follows
+from the piece's row count, the metadata and, for string data, the
+piece's own last offset (:func:`_layouts`), so a piece of one row costs
+its bytes, not a word pair per buffer. :func:`read_piece` rebuilds a zero-copy
 ``pyarrow.Table`` from a piece (and unpickles pickled columns);
 :func:`gather` concatenates many pieces column by column in one compiled
 pass per buffer, without a table per piece.
@@ -42,6 +46,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.packed import PackedData, PackedPieces, PieceTable
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
@@ -70,7 +75,7 @@ __all__ = [
 ]
 
 #: First bytes of the metadata of a piece in this format.
-COLS = b"MPSC\x01"
+COLS = b"MPSC\x02"
 _U32 = struct.Struct("<I")
 _ALIGN = 64
 _WORD = 8
@@ -490,9 +495,13 @@ def pack(
     align = _ALIGN if len(present) and int(sizes_all.sum()) >= _SMALL_PIECE * len(present) else _WORD
     aligned = _aligned(sizes_all + np.array([slack.get(b, 0) for b in range(len(plan))], np.int64)[:, None], align)
     aligned[:, counts == 0] = 0
-    # Each piece starts with its layout (offset, size of every buffer, <i8
-    # pairs), then its buffers.
-    prefix = -(-16 * len(plan) // align) * align
+    # A piece's layout is not stored in it: its row count and the plan give
+    # every buffer's size (string data: its own last offset), and
+    # :func:`_layouts` derives where each lies by the same rule. Only what no
+    # row count gives, the size of an IPC stream or a pickle, leads the piece
+    # (one ``<i8`` word each).
+    opaque = [b for b, (_, role, _) in enumerate(plan) if role in ("ipc", "pickle")]
+    prefix = -(-8 * len(opaque) // align) * align
     within = prefix + np.cumsum(aligned, axis=0) - aligned  # offset of each buffer inside its piece
     piece_size = np.where(counts > 0, prefix + aligned.sum(axis=0), 0)
     if owner is not None:
@@ -531,14 +540,13 @@ def pack(
         elif role == "pickle":
             for p in present:
                 buf[at[b][p] : at[b][p] + sizes[p]] = np.frombuffer(blobs[f"pickle{j}"][p], np.uint8)
-    # One metadata object for every piece of the insert (the schema and the
-    # layout of the columns); each piece's own buffer offsets lead its data.
-    common = _common_header(columns, plan, schema, names)
-    if plan and len(present):
-        rel = np.stack([within[:, present], sizes_all[:, present]], axis=2).transpose(1, 0, 2)
+    # One metadata object for every piece of the insert (the schema, the
+    # buffers of the columns and their alignment).
+    common = _common_header(columns, plan, schema, names, align)
+    if opaque and len(present):
         words = buf[: buf.shape[0] // _WORD * _WORD].view(np.int64)
-        at_words = (piece_base[present] // _WORD)[:, None] + np.arange(2 * len(plan))[None, :]
-        words[at_words] = rel.reshape(len(present), 2 * len(plan))
+        at_words = (piece_base[present] // _WORD)[:, None] + np.arange(len(opaque))[None, :]
+        words[at_words] = sizes_all[opaque][:, present].T
     bases = piece_base - np.asarray(group_offsets, np.int64)[group]
     return PackedPieces(PieceTable._unchecked(
         present.astype(np.int64), counts[present].astype(np.int64), np.zeros(len(present), np.int32), [common],
@@ -638,12 +646,13 @@ def _write_ipc_into(table: pa.Table, target: npt.NDArray[np.uint8]) -> None:
 
 def _common_header(
     columns: Sequence[Column], plan: list[tuple[int, str, Any]], schema: pa.Schema | None,
-    names: Sequence[Any] | None,
+    names: Sequence[Any] | None, align: int,
 ) -> bytes:
     desc = {
         "names": list(names) if names is not None else None,
         "cols": [[c.kind, c.field, c.width, c.validity is not None] for c in columns],
         "plan": [[j, role] for j, role, _ in plan],
+        "align": align,
     }
     body = json.dumps(desc, separators=(",", ":")).encode()
     schema_bytes = schema.serialize().to_pybytes() if schema is not None else b""
@@ -671,6 +680,66 @@ def _split_metadata(metadata: bytes) -> tuple[dict[str, Any], pa.Schema | None]:
     return desc, schema
 
 
+# Buffer kinds of the layouts kernel (mpshuffle.table._gather's BITS, FIXED,
+# OFFSETS, VAR_DATA, OPAQUE; not imported from there, which would load numba).
+_BITS, _FIXED, _OFFSETS, _VAR_DATA, _OPAQUE = 0, 1, 2, 3, 4
+
+
+@lru_cache(maxsize=64)
+def _layout_rule(common: bytes) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], int]:
+    """What the layouts kernel needs of a metadata: each buffer's kind, width and slack, and the alignment."""
+    desc, _ = _split_metadata(common)
+    cols = desc["cols"]
+    kind, width, slack = [], [], []
+    for j, role in desc["plan"]:
+        col_kind, col_width = (cols[j][0], cols[j][2]) if j >= 0 else ("", 0)
+        if role in ("ipc", "pickle"):
+            k, w = _OPAQUE, 0
+        elif role == "validity" or col_kind == "bits":
+            k, w = _BITS, 0
+        elif role == "offsets":
+            k, w = _OFFSETS, col_width
+        elif col_kind == "var":
+            k, w = _VAR_DATA, col_width
+        else:
+            k, w = _FIXED, col_width
+        kind.append(k)
+        width.append(w)
+        slack.append(_WORD if k == _VAR_DATA else 0)
+    return (np.array(kind, np.int64), np.array(width, np.int64), np.array(slack, np.int64),
+            int(desc.get("align", _WORD)))
+
+
+def _layouts(
+    metadata: bytes, address: npt.NDArray[np.uint64], size: npt.NDArray[np.int64], nrows: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Start and bytes of every buffer (``metadata``'s plan order) of pieces of one metadata, shape ``(n, nbuf)``.
+
+    Derived from each piece's rows and, for strings, its last offset, by the
+    rule :func:`pack` writes by (:func:`mpshuffle.table._gather.layouts`);
+    nothing of a piece is read before its bounds are checked.
+
+    Raises
+    ------
+    ShuffleError
+        If a piece's bytes cannot hold its layout (truncated or corrupt).
+    """
+    kind, width, slack, align = _layout_rule(bytes(metadata))
+    n = len(address)
+    start = np.full((n, len(kind)), -1, np.int64)
+    nbytes = np.zeros((n, len(kind)), np.int64)
+    bad = int(_kernels().layouts(
+        np.ascontiguousarray(address, np.uint64), np.ascontiguousarray(size, np.int64),
+        np.ascontiguousarray(nrows, np.int64), kind, width, slack, np.int64(align), start, nbytes,
+    ))
+    if bad >= 0:
+        raise ShuffleError(
+            f"a received piece of {int(nrows[bad])} rows has {int(size[bad])} bytes, fewer than its columns "
+            "need: it is truncated or corrupt"
+        )
+    return start, nbytes
+
+
 def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[Any] | None]:
     """Rebuild a piece written by :func:`pack`, zero copy from its buffer.
 
@@ -686,11 +755,14 @@ def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[
     desc, schema = _split_metadata(piece.metadata)
     n = piece.nrows
     data = piece.data if isinstance(piece.data, pa.Buffer) else pa.py_buffer(piece.data)
-    rel = np.frombuffer(data, dtype="<i8", count=2 * len(desc["plan"])).reshape(-1, 2)
+    start, nbytes = _layouts(
+        piece.metadata, np.array([data.address], np.uint64), np.array([data.size], np.int64),
+        np.array([n], np.int64),
+    )
     bufs: dict[tuple[int, str], pa.Buffer] = {}
     pickled: dict[int, pd.Series] = {}
     ipc = None
-    for (j, role), (off, size) in zip(desc["plan"], rel.tolist(), strict=True):
+    for (j, role), off, size in zip(desc["plan"], start[0].tolist(), nbytes[0].tolist(), strict=True):
         region = data.slice(off, size)
         if role == "ipc":
             with pa.ipc.open_stream(region) as reader:
@@ -719,10 +791,6 @@ def read_piece(piece: PackedData) -> tuple[pa.Table, dict[int, pd.Series], list[
         arrays.append(arr)
     table = pa.Table.from_arrays(arrays, schema=schema)
     return table, pickled, desc["names"]
-
-
-def _address(data: Any) -> int:
-    return int((data if type(data) is pa.Buffer else pa.py_buffer(data)).address)
 
 
 def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, list[pa.Schema]] | None:
@@ -760,6 +828,7 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
         which = np.array([number[m] for m in pieces.metas], np.int64)[pieces.meta_of]
         address = pieces.address
         nrows = pieces.nrows
+        size = pieces.size
     else:
         metadata = [p.metadata for p in pieces]
         metas = dict.fromkeys(metadata)  # distinct, in order (bytes hash once)
@@ -768,7 +837,9 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
         else:
             number = {m: k for k, m in enumerate(metas)}
             which = np.fromiter((number[m] for m in metadata), np.int64, n)
-        address = np.fromiter((_address(p.data) for p in pieces), np.uint64, n)
+        datas = [p.data if type(p.data) is pa.Buffer else pa.py_buffer(p.data) for p in pieces]
+        address = np.fromiter((d.address for d in datas), np.uint64, n)
+        size = np.fromiter((d.size for d in datas), np.int64, n)
         nrows = np.fromiter((p.nrows for p in pieces), np.int64, n)
     parsed = [_split_metadata(m) for m in metas]
     desc0, schema0 = parsed[0]
@@ -777,9 +848,6 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     kinds = [(c[0], c[1], c[2]) for c in desc0["cols"]]
     if any(kind not in ("fixed", "bits", "var") for kind, _, _ in kinds):
         return None
-    # Buffer index of (column, role) in each distinct layout, -1 if absent.
-    roles = ("validity", "data", "offsets")
-    index = np.full((len(parsed), len(kinds), len(roles)), -1, np.int64)
     for m, (desc, schema) in enumerate(parsed):
         if schema is None or desc["names"] != desc0["names"]:
             return None
@@ -787,34 +855,43 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
             return None
         if m and (schema.types != schema0.types or schema.names != schema0.names):
             return None
+    # Where each (column, role) buffer lies in each piece (start -1: absent),
+    # derived per distinct metadata for its pieces.
+    roles = ("validity", "data", "offsets")
+    start = np.full((len(kinds), len(roles), n), -1, np.int64)
+    nbytes_of = np.zeros((len(kinds), len(roles), n), np.int64)
+    for m, (meta, (desc, _)) in enumerate(zip(metas, parsed, strict=True)):
+        sel = np.flatnonzero(which == m) if len(parsed) > 1 else slice(None)
+        starts_m, nbytes_m = _layouts(meta, address[sel], size[sel], nrows[sel])
         for b, (j, role) in enumerate(desc["plan"]):
-            index[m, j, roles.index(role)] = b
+            start[j, roles.index(role), sel] = starts_m[:, b]
+            nbytes_of[j, roles.index(role), sel] = nbytes_m[:, b]
     k = _kernels()
     total = int(nrows.sum())
     arrays = []
     for j, (kind, field, width) in enumerate(kinds):
-        validity_of = index[which, j, 0]
+        validity_at = start[j, 0]
         validity = None
-        if (validity_of >= 0).any():
+        if (validity_at >= 0).any():
             bits = np.zeros((total + 7) >> 3, np.uint8)
-            k.gather_bits(address, validity_of, nrows, bits)
+            k.gather_bits(address, validity_at, nrows, bits)
             validity = pa.py_buffer(bits)
-        data_of = index[which, j, 1]
+        data_at = start[j, 1]
         if kind == "fixed":
             out = _empty_aligned(total * width)
-            k.gather_bytes(address, data_of, out)
+            k.gather_bytes(address, data_at, nbytes_of[j, 1], out)
             buffers = [validity, pa.py_buffer(out)]
         elif kind == "bits":
             out = np.zeros((total + 7) >> 3, np.uint8)
-            k.gather_bits(address, data_of, nrows, out)
+            k.gather_bits(address, data_at, nrows, out)
             buffers = [validity, pa.py_buffer(out)]
         else:
             offsets = np.empty(total + 1, np.int64)
-            nbytes = int(k.gather_offsets(address, index[which, j, 2], nrows, width, offsets))
+            nbytes = int(k.gather_offsets(address, start[j, 2], nrows, width, offsets))
             if width == 4 and nbytes >= 2**31:
                 return None  # more than 32-bit offsets reach: read piece by piece
             out = _empty_aligned(nbytes)
-            k.gather_bytes(address, data_of, out)
+            k.gather_bytes(address, data_at, nbytes_of[j, 1], out)
             if width == 4:
                 offsets = offsets.astype(np.int32)
             buffers = [validity, pa.py_buffer(offsets), pa.py_buffer(out)]

@@ -61,12 +61,12 @@ def kernels() -> Any:
     from mpshuffle.table import _insert_kernels as k
 
     # The gather of an extract reads pieces by address (mpshuffle.table._gather).
-    from mpshuffle.table._gather import gather_bits, gather_bytes, gather_offsets
+    from mpshuffle.table._gather import gather_bits, gather_bytes, gather_offsets, layouts
 
     return SimpleNamespace(
         hash_ints=k.hash_ints, hash_float_bits=k.hash_float_bits, hash_given=k.hash_given,
         pandas_values=k.pandas_values, pandas_given=k.pandas_given,
         rank_ids=k.rank_ids, scatter=k.scatter, scatter_bits=k.scatter_bits, var_sizes=k.var_sizes,
         scatter_var=k.scatter_var, gather_bytes=gather_bytes, gather_bits=gather_bits,
-        gather_offsets=gather_offsets,
+        gather_offsets=gather_offsets, layouts=layouts,
     )
