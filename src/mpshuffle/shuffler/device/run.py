@@ -70,16 +70,19 @@ import numpy as np
 from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
 from mpshuffle.memory.device import batched_copy
-from mpshuffle.memory.store import DiskTier, over, spill_down
+from mpshuffle.memory.store import DiskTier, over, short, spill_down
 from mpshuffle.shuffler.device import buffers, exchange
 from mpshuffle.shuffler.device.buffers import (
+    STAGE_BYTES,
     DeviceBuffer,
     Held,
+    HostBlocks,
     Incoming,
     Outgoing,
     Output,
     Piece,
 )
+from mpshuffle.shuffler.device.gather import Located, device_bytes, gather
 from mpshuffle.shuffler.device.state import DEVICE_TAG, DeviceState
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import PackedData
@@ -126,6 +129,10 @@ class DeviceRun(Run):
         this rank's turn).
     on_done
         Called once with ``op_id`` when the run's state is freed.
+    blocks
+        The worker's pooled host blocks for spilled buffers and transfers
+        (:class:`~mpshuffle.shuffler.device.buffers.HostBlocks`); by default
+        fresh memory every time.
     """
 
     label = "device shuffle op"
@@ -141,9 +148,11 @@ class DeviceRun(Run):
         key: str,
         timeout: float,
         on_done: Callable[[int], None] | None = None,
+        blocks: HostBlocks | None = None,
     ) -> None:
         super().__init__(comm, op_id, resource=resource, timeout=timeout, on_done=on_done)
         self.state = state
+        self._blocks = blocks or HostBlocks()
         self.key = key
         self._outbox: list[Outgoing] = []
         self._incoming: list[Incoming] = []
@@ -228,12 +237,14 @@ class DeviceRun(Run):
             self.statistics["seconds_insert"] += time.perf_counter() - t0
         self._spill_over_budget()
 
-    def _spill_over_budget(self) -> None:
-        """Move the oldest buffers down a tier while a tier is over its budget.
+    def _spill_over_budget(self, room: int = 0) -> None:
+        """Move the oldest buffers down a tier while a tier is over its budget (the store's rule).
 
         Device buffers are copied to host while the ``DEVICE`` use is past its
-        budget; then host buffers are written to disk while the ``HOST`` use
-        is past its budget (the worker's, shared with its host shuffles).
+        budget, or leaves less than ``room`` bytes (what an extract's gather
+        is about to allocate), each after room was made for it on the host;
+        then host buffers are written to disk while the ``HOST`` use is past
+        its budget (the worker's, shared with its host shuffles).
 
         Raises
         ------
@@ -241,17 +252,17 @@ class DeviceRun(Run):
             If writing to disk failed (e.g. the disk is full); the run is
             failed first, which frees its buffers and spill files.
         """
-        if not (over(self.resource, MemoryType.DEVICE) or over(self.resource, MemoryType.HOST)):
+        if not (short(self.resource, MemoryType.DEVICE, room) or over(self.resource, MemoryType.HOST)):
             return
         try:
             with self._spill_lock:
                 if not self._freed:
-                    self._spill_locked()
+                    self._spill_locked(room)
         except SpillError as e:
             self.fail(e)
             raise
 
-    def _spill_locked(self) -> None:
+    def _spill_locked(self, room: int = 0) -> None:
         with self._lock:
             # Oldest first: the outbox in insert order, then received buffers.
             entries = [
@@ -259,13 +270,15 @@ class DeviceRun(Run):
                 for o in self._outbox if o.buffer is not None
             ]
             entries += [self._held(i.buffer, i.pieces) for i in self._incoming]
-        spill_down(self.resource, entries, self._count, self.scope)
+        spill_down(self.resource, entries, self._count, self.scope, reuse=self._blocks.reusable, room=room)
 
     def _held(self, buffer: DeviceBuffer, pieces: list[Piece] | None) -> Held:
         """``buffer`` as the store holds it: written piece by piece, or whole where ``pieces`` is ``None``."""
         if pieces is None:
-            return Held(buffer, [(0, int(buffer.data.nbytes))] if buffer.data is not None else [], self.resource, self._disk)
-        return Held(buffer, [(off, off + nbytes) for _, off, nbytes, _ in pieces], self.resource, self._disk)
+            segments = [(0, int(buffer.data.nbytes))] if buffer.data is not None else []
+        else:
+            segments = [(off, off + nbytes) for _, off, nbytes, _ in pieces]
+        return Held(buffer, segments, self.resource, self._disk, self._blocks)
 
     def _load(self, buffer: DeviceBuffer) -> None:
         """Read an outbox buffer that is on disk back into host memory, for its round.
@@ -284,7 +297,7 @@ class DeviceRun(Run):
                 if self._freed:
                     self._raise_if_failed()
                     raise ShuffleError(f"device shuffle op {self.op_id} was closed during its exchange")
-                nbytes = buffer.load(self.resource, self._disk)
+                nbytes = buffer.load(self.resource, self._disk, self._blocks)
         except SpillError as e:
             self.fail(e)
             raise
@@ -534,14 +547,95 @@ class DeviceRun(Run):
             output.buffer.release()
             found = [((0, 0), PackedData(output.meta, output.buffer.data, output.nrows))]
         else:
-            found = self._pieces_of(partition_id, hits)
-            found.sort(key=lambda x: x[0])
+            hits.sort(key=lambda h: (h[0].input_index, h[0].src))
+            gathered = self._gather(partition_id, hits)
+            if gathered is not None:
+                found = [((0, 0), gathered)]
+            else:
+                found = self._pieces_of(partition_id, hits)
+                found.sort(key=lambda x: x[0])
         with self._lock:
             self.statistics["seconds_wait"] += t1 - t0
             self.statistics["seconds_extract"] += time.perf_counter() - t1
         if last:
             self.close()
         return [p for _, p in found]
+
+    def _gather(self, partition_id: int, hits: list[tuple[Incoming, int]]) -> PackedData | None:
+        """The partition's pieces gathered into one packed piece on the device, or ``None`` (pieces as they are).
+
+        See :mod:`mpshuffle.shuffler.device.gather`. Its device memory (the
+        staged buffer and the piece) is reserved as ``DEVICE`` while it runs,
+        after the store made room for it under the device budget; the
+        piece's reservation passes to the caller with the piece, as a
+        consolidated one's does. ``None`` where the pieces' metadata differ
+        (the adapter casts them) or the device had no room (``MemoryError``).
+
+        Raises
+        ------
+        ShuffleError
+            If the run was freed meanwhile, or (a :class:`SpillError`) the
+            spill file cannot be read; the run is failed then.
+        """
+        if not hits or any(inc.meta != hits[0][0].meta for inc, _ in hits):
+            return None
+        meta = hits[0][0].meta
+        t0 = time.perf_counter()
+        with self._spill_lock:
+            if self._freed:
+                self._raise_if_failed()
+                raise ShuffleError(f"device shuffle op {self.op_id} was closed during an extract")
+            located, disk_res = self._locate(hits)
+        staged_bytes, out_bytes = device_bytes(located, meta)
+        self._spill_over_budget(room=staged_bytes + out_bytes)
+        xp = buffers.cupy_module() if self.state is not None else np
+        staged_res = self.resource.reserve(MemoryType.DEVICE, staged_bytes)
+        out_res = self.resource.reserve(MemoryType.DEVICE, out_bytes)
+        seconds = self._disk.seconds_read
+        try:
+            with self.scope():
+                data, nrows = gather(
+                    located, meta, xp=xp, stage_bytes=STAGE_BYTES,
+                    read=lambda ranges: self._disk.read(ranges, self._blocks.stage_array),
+                )
+        except MemoryError:
+            logger.info("mpshuffle: op %d: no device memory to gather partition %d; extract takes the pieces",
+                        self.op_id, partition_id)
+            return None
+        except SpillError as e:
+            self.fail(e)
+            raise
+        finally:
+            staged_res.release()
+            out_res.release()
+        unspilled = 0
+        for res in disk_res:
+            unspilled += res.nbytes
+            res.release()
+        with self._lock:
+            self.statistics["bytes_unspilled_disk"] += unspilled
+            self.statistics["seconds_unspill_disk"] += self._disk.seconds_read - seconds
+            self.statistics["bytes_gathered"] += int(data.nbytes)
+            self.statistics["seconds_gather"] += time.perf_counter() - t0
+        return PackedData(meta, data, nrows)
+
+    @staticmethod
+    def _locate(hits: list[tuple[Incoming, int]]) -> tuple[list[Located], list[Any]]:
+        """Where each piece of ``hits`` lies now (under the spill lock), and the ``DISK`` reservations of those on disk."""
+        located: list[Located] = []
+        disk_res: list[Any] = []
+        for inc, i in hits:
+            _, off, nbytes, nrows = inc.pieces[i]
+            b = inc.buffer
+            if b.disk is not None:
+                foff, _, res = b.disk[i]
+                located.append(Located(nbytes, nrows, file_offset=foff))
+                disk_res.append(res)
+            elif b.on_device:
+                located.append(Located(nbytes, nrows, device=b.data, offset=off))
+            else:
+                located.append(Located(nbytes, nrows, host=b.data, offset=off))
+        return located, disk_res
 
     def _pieces_of(
         self, partition_id: int, hits: list[tuple[Incoming, int]]
