@@ -234,3 +234,41 @@ def test_disk_full_in_the_exchange_fails_the_barrier_and_extract(
         run.extract(0)
     run.close()
     _assert_clean(resource, tmp_path)
+
+
+def test_spilled_buffers_reuse_pooled_blocks_across_runs_within_the_host_budget(
+    comm: LocalCommunicator, tmp_path: Any
+) -> None:
+    from mpshuffle.memory.pool import HostPool
+    from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
+
+    # Room on the device for one table (~26 kB), on the host for three blocks of
+    # the pool's smallest size class (64 KiB): the host tier makes room (oldest
+    # to disk) before each buffer comes down to it.
+    host = 3 * 2**16
+    resource = BufferResource({MemoryType.DEVICE: 30_000, MemoryType.HOST: host}, spill_dir=str(tmp_path),
+                              owner=OWNER, spill_prefix="mpshuffle-g")
+    spill = HostPool(host, resource, per_class=64)
+    resource.add_reclaimer(MemoryType.HOST, spill.trim)
+    blocks = HostBlocks(spill, HostPool(2 * STAGE_BYTES, per_class=2))
+    inputs = [_host_table(i, 1000) for i in range(5)]
+    for op in (1, 2):
+        run = DeviceRun(comm, op, resource=resource, state=None, key="g", timeout=10, blocks=blocks)
+        comm.register_handler("mpsd", run.receive)
+        for i, t in enumerate(inputs):
+            run.insert(i, DeviceTable(t), ["key"], NPART)
+        stats = run.statistics
+        assert stats["bytes_spilled_host"] > 0 and stats["bytes_spilled_disk"] > 0
+        run.barrier(NPART)
+        parts = [_unpack(run.extract(j), inputs[0]) for j in range(NPART)]
+        _check_output(parts, inputs, NPART)
+        assert run.closed and stats["bytes_gathered"] > 0
+    # What the host tier held (buffers and idle blocks) never passed its budget;
+    # the second run's spills went into the first run's blocks.
+    assert resource.peak(MemoryType.HOST) <= host
+    assert spill.stats()["reused_bytes"] > 0 and 0 < spill.idle_bytes <= host
+    assert resource.used(MemoryType.HOST) == spill.idle_bytes  # kept across runs, reserved
+    assert blocks.stage is not None and blocks.stage.stats()["reused_bytes"] > 0
+    assert resource.reclaim(MemoryType.HOST) > 0 and resource.used(MemoryType.HOST) == 0
+    assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]
+    assert os.listdir(tmp_path) == []

@@ -153,8 +153,8 @@ def test_idle_pooled_memory_is_room_and_is_reclaimed_before_buffers_move(tmp_pat
 
     # A block that the move would take over counts as room: nothing is reclaimed first.
     bufs = [Pooled(f"b{k}", r, 100, disk) for k in range(2)]
-    stats, count = _counter()
-    spill_down(r, bufs, count, reuse=lambda n: 100 if "res" in idle else 0)
+    _stats, count = _counter()
+    spill_down(r, bufs, count, host_cost=lambda n: n - (100 if "res" in idle else 0))
     assert bufs[0].moves == [MemoryType.HOST] and reclaimed_before == [False]
     assert r.used(MemoryType.HOST) == 100
     bufs[0].move_down(MemoryType.DISK)

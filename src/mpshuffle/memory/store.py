@@ -123,7 +123,7 @@ def spill_down(
     count: Callable[[str, float], None],
     scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
     *,
-    reuse: Callable[[int], int] | None = None,
+    host_cost: Callable[[int], int] | None = None,
     room: int = 0,
 ) -> None:
     """The over-budget rule: move the oldest buffers down a tier while a tier is past its budget.
@@ -152,10 +152,11 @@ def spill_down(
         an error.
     scope
         Makes the buffers' GPU current while device buffers move.
-    reuse
-        ``reuse(nbytes)``: bytes of idle pooled host memory that a device
-        buffer of ``nbytes`` moving to host would take over (counted as
-        room: they are reserved already); ``None`` counts none.
+    host_cost
+        ``host_cost(nbytes)``: the host bytes a device buffer of ``nbytes``
+        adds to the ``HOST`` use when it moves there: its block's size, less
+        the idle pooled block it would take over (reserved already, so
+        room); by default ``nbytes``.
     room
         Device bytes to leave free under the budget (what a caller is about
         to allocate), beyond being within it.
@@ -170,7 +171,7 @@ def spill_down(
 
     def host_fits(nbytes: int) -> bool:
         available = resource.available(MemoryType.HOST)
-        return available is None or nbytes - (reuse(nbytes) if reuse else 0) <= available
+        return available is None or (host_cost(nbytes) if host_cost else nbytes) <= available
 
     def to_disk(b: Spillable) -> None:
         t = time.perf_counter()

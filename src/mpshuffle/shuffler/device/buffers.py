@@ -76,9 +76,11 @@ class HostBlocks:
         """Host bytes a spilled buffer of ``nbytes`` holds: its pooled block's size class."""
         return size_class(nbytes) if self.spill is not None and nbytes else nbytes
 
-    def reusable(self, nbytes: int) -> int:
-        """Idle pooled bytes that a spill of ``nbytes`` would take over (see :meth:`HostPool.reusable`)."""
-        return self.spill.reusable(nbytes) if self.spill is not None else 0
+    def host_cost(self, nbytes: int) -> int:
+        """Host bytes a spill of ``nbytes`` adds to the ``HOST`` use: its block, less an idle block it takes over."""
+        if self.spill is None:
+            return nbytes
+        return self.held_bytes(nbytes) - self.spill.reusable(nbytes)
 
     def stage_array(self, nbytes: int) -> Any:
         """A transfer block of at least ``nbytes`` (one size, :data:`STAGE_BYTES`, up to that, so blocks are reused)."""

@@ -270,7 +270,7 @@ class DeviceRun(Run):
                 for o in self._outbox if o.buffer is not None
             ]
             entries += [self._held(i.buffer, i.pieces) for i in self._incoming]
-        spill_down(self.resource, entries, self._count, self.scope, reuse=self._blocks.reusable, room=room)
+        spill_down(self.resource, entries, self._count, self.scope, host_cost=self._blocks.host_cost, room=room)
 
     def _held(self, buffer: DeviceBuffer, pieces: list[Piece] | None) -> Held:
         """``buffer`` as the store holds it: written piece by piece, or whole where ``pieces`` is ``None``."""
