@@ -17,7 +17,15 @@ module's building blocks and follow its one policy:
   budget, its **oldest** buffers move one tier down (device -> host, then
   host -> disk), oldest first, until the tier is within budget. The oldest
   is read last (outputs are extracted after every input is in), so moving
-  it costs the least waiting.
+  it costs the least waiting. **Room is made below first**: a device buffer
+  comes down to host only once the host tier can take it within its budget
+  (idle pooled memory given back first, :meth:`BufferResource.reclaim`,
+  then the oldest host buffers written to disk); where the host holds
+  nothing this store can move, it passes straight to disk through a
+  transfer block. So the host stays within ``spill_host`` with a disk tier.
+  The arrival rule is the same rule for a buffer that arrives from the
+  network rather than from the device: the postbox gives idle pooled
+  memory back before a chunk goes to disk.
 * **Coming back**: nothing moves up on its own. A buffer comes back when it
   is read (an extract, an exchange round), into host memory, as the byte
   ranges it needs (:meth:`DiskTier.get`), never a whole file.
@@ -44,7 +52,7 @@ import numpy as np
 from mpshuffle.memory.resource import BufferResource, MemoryType
 from mpshuffle.memory.spill import SpillDirectory
 
-__all__ = ["TIERS", "DiskTier", "Spillable", "admits", "over", "short", "spill_down", "to_host"]
+__all__ = ["TIERS", "DiskTier", "Spillable", "admits", "over", "spill_down", "to_host"]
 
 #: The tiers, top (fastest) first; data moves down this order and comes back only when read.
 TIERS = (MemoryType.DEVICE, MemoryType.HOST, MemoryType.DISK)
@@ -111,12 +119,6 @@ class Spillable(Protocol):
         ...
 
 
-def short(resource: BufferResource, memory_type: MemoryType, nbytes: int = 0) -> bool:
-    """Whether tier ``memory_type`` has less than ``nbytes`` left under its budget (never so without one)."""
-    available = resource.available(memory_type)
-    return available is not None and available < nbytes
-
-
 def spill_down(
     resource: BufferResource,
     entries: Sequence[Spillable],
@@ -124,16 +126,14 @@ def spill_down(
     scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
     *,
     host_cost: Callable[[int], int] | None = None,
-    room: int = 0,
 ) -> None:
     """The over-budget rule: move the oldest buffers down a tier while a tier is past its budget.
 
-    Tiers are handled top first. While the ``DEVICE`` use is past its budget
-    (or leaves less than ``room`` bytes), the oldest device buffer moves
-    down; **room is made below first**: while the host tier cannot take it,
-    idle pooled host memory is given back (:meth:`BufferResource.reclaim`)
-    and then the oldest host buffers go to disk, so the host stays within
-    its budget; only where that leaves no room (nothing of this run on the
+    Tiers are handled top first. While the ``DEVICE`` use is past its
+    budget, the oldest device buffer moves down; **room is made below
+    first**: while the host tier cannot take it, idle pooled host memory is
+    given back (:meth:`BufferResource.reclaim`) and then the oldest host
+    buffers go to disk, so the host stays within its budget; only where that leaves no room (nothing of this run on the
     host, the rest the worker's other runs') does the buffer go straight to
     disk. Then, while the ``HOST`` use is past its budget (the worker's,
     shared with its other runs), the oldest host buffers go to disk.
@@ -157,10 +157,6 @@ def spill_down(
         adds to the ``HOST`` use when it moves there: its block's size, less
         the idle pooled block it would take over (reserved already, so
         room); by default ``nbytes``.
-    room
-        Device bytes to leave free under the budget (what a caller is about
-        to allocate), beyond being within it.
-
     Raises
     ------
     SpillError
@@ -179,10 +175,10 @@ def spill_down(
         seconds["disk"] += time.perf_counter() - t
 
     try:
-        if short(resource, MemoryType.DEVICE, room):
+        if over(resource, MemoryType.DEVICE):
             with scope():
                 for b in entries:
-                    if not short(resource, MemoryType.DEVICE, room):
+                    if not over(resource, MemoryType.DEVICE):
                         break
                     if b.tier is not MemoryType.DEVICE:
                         continue

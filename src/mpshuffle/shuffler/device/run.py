@@ -70,7 +70,7 @@ import numpy as np
 from mpshuffle.errors import ShuffleError, ShuffleTimeoutError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
 from mpshuffle.memory.device import batched_copy
-from mpshuffle.memory.store import DiskTier, over, short, spill_down
+from mpshuffle.memory.store import DiskTier, over, spill_down
 from mpshuffle.shuffler.device import buffers, exchange
 from mpshuffle.shuffler.device.buffers import (
     STAGE_BYTES,
@@ -237,14 +237,13 @@ class DeviceRun(Run):
             self.statistics["seconds_insert"] += time.perf_counter() - t0
         self._spill_over_budget()
 
-    def _spill_over_budget(self, room: int = 0) -> None:
+    def _spill_over_budget(self) -> None:
         """Move the oldest buffers down a tier while a tier is over its budget (the store's rule).
 
         Device buffers are copied to host while the ``DEVICE`` use is past its
-        budget, or leaves less than ``room`` bytes (what an extract's gather
-        is about to allocate), each after room was made for it on the host;
-        then host buffers are written to disk while the ``HOST`` use is past
-        its budget (the worker's, shared with its host shuffles).
+        budget, each after room was made for it on the host; then host
+        buffers are written to disk while the ``HOST`` use is past its budget
+        (the worker's, shared with its host shuffles).
 
         Raises
         ------
@@ -252,17 +251,17 @@ class DeviceRun(Run):
             If writing to disk failed (e.g. the disk is full); the run is
             failed first, which frees its buffers and spill files.
         """
-        if not (short(self.resource, MemoryType.DEVICE, room) or over(self.resource, MemoryType.HOST)):
+        if not (over(self.resource, MemoryType.DEVICE) or over(self.resource, MemoryType.HOST)):
             return
         try:
             with self._spill_lock:
                 if not self._freed:
-                    self._spill_locked(room)
+                    self._spill_locked()
         except SpillError as e:
             self.fail(e)
             raise
 
-    def _spill_locked(self, room: int = 0) -> None:
+    def _spill_locked(self) -> None:
         with self._lock:
             # Oldest first: the outbox in insert order, then received buffers.
             entries = [
@@ -270,7 +269,7 @@ class DeviceRun(Run):
                 for o in self._outbox if o.buffer is not None
             ]
             entries += [self._held(i.buffer, i.pieces) for i in self._incoming]
-        spill_down(self.resource, entries, self._count, self.scope, host_cost=self._blocks.host_cost, room=room)
+        spill_down(self.resource, entries, self._count, self.scope, host_cost=self._blocks.host_cost)
 
     def _held(self, buffer: DeviceBuffer, pieces: list[Piece] | None) -> Held:
         """``buffer`` as the store holds it: written piece by piece, or whole where ``pieces`` is ``None``."""
@@ -566,10 +565,15 @@ class DeviceRun(Run):
 
         See :mod:`mpshuffle.shuffler.device.gather`. Its device memory (the
         staged buffer and the piece) is reserved as ``DEVICE`` while it runs,
-        after the store made room for it under the device budget; the
-        piece's reservation passes to the caller with the piece, as a
-        consolidated one's does. ``None`` where the pieces' metadata differ
-        (the adapter casts them) or the device had no room (``MemoryError``).
+        so every spill decision meanwhile (a concurrent insert's) counts it;
+        the piece is handed over with the extract, as a consolidated one is.
+        It moves nothing down to make room for itself: the run's buffers are
+        freed only when it ends, so room made here would be taken from the
+        partitions extracted next (over the first few extracts every device
+        buffer would move down, and with a disk tier push host buffers to
+        disk). So the device holds at most its budget plus one gather per
+        extract running. ``None`` where the pieces' metadata differ (the
+        adapter casts them) or the device had no room (``MemoryError``).
 
         Raises
         ------
@@ -587,7 +591,6 @@ class DeviceRun(Run):
                 raise ShuffleError(f"device shuffle op {self.op_id} was closed during an extract")
             located, disk_res = self._locate(hits)
         staged_bytes, out_bytes = device_bytes(located, meta)
-        self._spill_over_budget(room=staged_bytes + out_bytes)
         xp = buffers.cupy_module() if self.state is not None else np
         staged_res = self.resource.reserve(MemoryType.DEVICE, staged_bytes)
         out_res = self.resource.reserve(MemoryType.DEVICE, out_bytes)
