@@ -591,7 +591,10 @@ class DeviceRun(Run):
                 raise ShuffleError(f"device shuffle op {self.op_id} was closed during an extract")
             located, disk_res = self._locate(hits)
         staged_bytes, out_bytes = device_bytes(located, meta)
-        xp = buffers.cupy_module() if self.state is not None else np
+        gpu = self.state is not None or any(
+            p.device is not None and not isinstance(p.device, np.ndarray) for p in located
+        )
+        xp = buffers.cupy_module() if gpu else np
         staged_res = self.resource.reserve(MemoryType.DEVICE, staged_bytes)
         out_res = self.resource.reserve(MemoryType.DEVICE, out_bytes)
         seconds = self._disk.seconds_read
