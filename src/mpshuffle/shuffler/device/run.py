@@ -37,11 +37,11 @@ for :class:`~mpshuffle.table.device.DeviceTable` partitions with CuPy columns.
   source rank) and the received buffers are freed. Each rank acknowledges the
   barrier when its exchange ended (with the error, if any).
 * **extract**: waits for the exchange and returns the partition's one
-  consolidated piece; without consolidation, its pieces (views into the
-  received buffers, on the device or spilled to host, or the partition's
-  byte ranges of the rank's spill file, read back to host in one read per
-  extract), ordered by input partition, which the device adapter concatenates
-  on the GPU.
+  consolidated piece; without consolidation, its pieces (on the device, in
+  host memory, or byte ranges of the rank's spill file) gathered into one
+  device piece (:mod:`mpshuffle.shuffler.device.gather`), or, where their
+  dtypes differ, the pieces themselves ordered by input partition, which the
+  device adapter concatenates on the GPU.
 
 Exchanges of one generation run one at a time on each rank, in rank 0's
 order (:meth:`~mpshuffle.shuffler.device.state.DeviceState.turn`). The
