@@ -272,3 +272,37 @@ def test_spilled_buffers_reuse_pooled_blocks_across_runs_within_the_host_budget(
     assert resource.reclaim(MemoryType.HOST) > 0 and resource.used(MemoryType.HOST) == 0
     assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]
     assert os.listdir(tmp_path) == []
+
+
+def test_gather_stages_disk_pieces_between_host_pieces_in_one_block() -> None:
+    from mpshuffle.shuffler.device.gather import Located, gather
+    from mpshuffle.table.device import piece_metadata
+
+    # One int64 column: pieces alternate disk, host, disk, device, disk.
+    meta = piece_metadata(["a"], [np.dtype(np.int64)])
+    values = [np.arange(10 * k, 10 * k + n, dtype=np.int64) for k, n in enumerate([3, 8, 1, 5, 9])]
+    file = np.zeros(4096, np.uint8)
+    where: list[Located] = []
+    offset = 0
+    for k, v in enumerate(values):
+        raw = v.view(np.uint8)
+        if k in (0, 2, 4):
+            file[offset : offset + raw.nbytes] = raw
+            where.append(Located(raw.nbytes, len(v), file_offset=offset))
+            offset += 128
+        elif k == 1:
+            where.append(Located(raw.nbytes, len(v), host=np.concatenate([np.zeros(8, np.uint8), raw]), offset=8))
+        else:
+            where.append(Located(raw.nbytes, len(v), device=raw.copy()))
+
+    def read(ranges: Any) -> Any:
+        out, positions, at = np.zeros(4096, np.uint8), [], 0
+        for off, n in ranges:
+            out[at : at + n] = file[off : off + n]
+            positions.append(at)
+            at += n + (-n) % 64
+        return out, positions
+
+    data, nrows = gather(where, meta, xp=np, read=read, stage_bytes=1 << 20)
+    assert nrows == 26
+    np.testing.assert_array_equal(data[: 26 * 8].view(np.int64), np.concatenate(values))

@@ -119,13 +119,15 @@ def gather(
         If the device has no room for the staged buffer or the piece.
     """
     off_device = [k for k, p in enumerate(pieces) if p.device is None]
+    on_disk = [k for k in off_device if pieces[k].host is None]
+    # The pieces on disk first, one after the other: a block read of several is
+    # then one contiguous range of the staged buffer.
     at = {}
     total = 0
-    for k in off_device:
+    for k in on_disk + [k for k in off_device if pieces[k].host is not None]:
         at[k] = total
         total += _padded(pieces[k].nbytes)
     staged = xp.empty(total, dtype=np.uint8) if off_device else None
-    on_disk = [k for k in off_device if pieces[k].host is None]
     for k in off_device:
         p = pieces[k]
         if p.host is not None:
