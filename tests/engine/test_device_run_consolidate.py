@@ -73,13 +73,15 @@ def test_inputs_of_different_dtypes_are_not_consolidated_and_cast_at_extract(com
     _assert_partitions(pieces, [inputs[0], {**inputs[1], "s": inputs[1]["s"].astype(np.int16)}, inputs[2]])
 
 
-def test_no_consolidation_past_the_device_budget(comm: LocalCommunicator) -> None:
+def test_no_consolidation_past_the_device_budget_each_extract_gathers(comm: LocalCommunicator) -> None:
     inputs = [_host_table(i, 1000) for i in range(3)]
-    # Room for the received buffers (about 3 x 32 kB) but not for a second copy of them.
+    # Room for the received buffers (about 3 x 32 kB) but not for a second copy of them;
+    # room for one partition's gathered piece.
     resource = BufferResource({MemoryType.DEVICE: 120_000})
     run, pieces = _shuffle(comm, resource, inputs)
     assert run.statistics["bytes_spilled_host"] == 0 and run.statistics["bytes_consolidated"] == 0
-    assert [len(p) for p in pieces] == [3] * NPART
+    assert run.statistics["bytes_gathered"] > 0
+    assert [len(p) for p in pieces] == [1] * NPART
     _assert_partitions(pieces, inputs)
     assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]
 
@@ -96,11 +98,13 @@ def test_batched_copy_on_the_host_copies_every_segment_and_nothing_else() -> Non
 
 def test_a_full_device_leaves_the_pieces_as_they_are(comm: LocalCommunicator, monkeypatch: Any) -> None:
     from mpshuffle.shuffler.device import buffers
+    from mpshuffle.shuffler.device import run as device_run
 
-    def full(xp: Any, sizes: list[int]) -> list[Any]:
+    def full(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError("out of device memory (test)")
 
-    monkeypatch.setattr(buffers, "allocate", full)
+    monkeypatch.setattr(buffers, "allocate", full)  # the consolidation's
+    monkeypatch.setattr(device_run, "gather", full)  # an extract's
     inputs = [_host_table(i, 800) for i in range(3)]
     resource = BufferResource()
     run, pieces = _shuffle(comm, resource, inputs)

@@ -70,11 +70,13 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
     inputs = [_host_table(i, 1000) for i in range(4)]
     for i, t in enumerate(inputs):
         run.insert(i, DeviceTable(t), ["key"], NPART)
-    # The outbox went device -> host -> disk (the store's policy). On one rank
-    # every row stays here, so the buffers went piece by piece (as received
-    # buffers do) into the rank's one spill file, as the host path's postbox.
+    # The outbox went down to disk (the store's policy: each buffer is larger
+    # than the host budget, so it passed straight to disk through a transfer
+    # block, and the host never held it). On one rank every row stays here, so
+    # the buffers went piece by piece (as received buffers do) into the rank's
+    # one spill file, as the host path's postbox.
     stats = run.statistics
-    assert stats["bytes_spilled_host"] > 0 and stats["bytes_spilled_disk"] > 0
+    assert stats["bytes_spilled_disk"] > 0 and resource.peak(MemoryType.HOST) <= LIMIT
     assert resource.used(MemoryType.DISK) == stats["bytes_spilled_disk"]
     assert resource.used(MemoryType.DEVICE) <= LIMIT and resource.used(MemoryType.HOST) <= LIMIT
     one_file = [os.path.join("mpshuffle-g-op7-r0", "pieces.bin")]
@@ -89,18 +91,19 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
     assert resource.used(MemoryType.HOST) <= LIMIT
 
     reads: list[int] = []
-    real_get = run._disk.get
+    real_read = run._disk.read
 
-    def counting_get(ranges: Any) -> list[memoryview]:
+    def counting_read(ranges: Any, allocate: Any = None) -> Any:
         reads.append(len(ranges))
-        return real_get(ranges)
+        return real_read(ranges, allocate)
 
-    run._disk.get = counting_get  # type: ignore[method-assign]
+    run._disk.read = counting_read  # type: ignore[method-assign]
     parts = []
     for j in range(NPART):
         on_disk = resource.used(MemoryType.DISK)
         pieces = run.extract(j)
-        assert len(pieces) == 4  # one piece per input partition (1000 random keys each)
+        # One piece per input partition (1000 random keys each), gathered into one.
+        assert len(pieces) == 1
         assert reads == [4] * (j + 1)  # one read of partition j's 4 byte ranges in its extract
         parts.append(_unpack(pieces, inputs[0]))
         if j < NPART - 1:  # (the last extract closes the run)
@@ -108,6 +111,7 @@ def test_buffers_spill_to_disk_and_every_partition_comes_back(comm: LocalCommuni
     _check_output(parts, inputs, NPART)
     assert stats["bytes_unspilled_disk"] == stats["bytes_spilled_disk"]
     assert stats["seconds_spill_disk"] > 0 and stats["seconds_unspill_disk"] > 0
+    assert stats["bytes_gathered"] > 0
     assert done == [7] and run.closed
     _assert_clean(resource, tmp_path)
 
@@ -230,3 +234,75 @@ def test_disk_full_in_the_exchange_fails_the_barrier_and_extract(
         run.extract(0)
     run.close()
     _assert_clean(resource, tmp_path)
+
+
+def test_spilled_buffers_reuse_pooled_blocks_across_runs_within_the_host_budget(
+    comm: LocalCommunicator, tmp_path: Any
+) -> None:
+    from mpshuffle.memory.pool import HostPool
+    from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
+
+    # Room on the device for one table (~26 kB), on the host for three blocks of
+    # the pool's smallest size class (64 KiB): the host tier makes room (oldest
+    # to disk) before each buffer comes down to it.
+    host = 3 * 2**16
+    resource = BufferResource({MemoryType.DEVICE: 30_000, MemoryType.HOST: host}, spill_dir=str(tmp_path),
+                              owner=OWNER, spill_prefix="mpshuffle-g")
+    spill = HostPool(host, resource, per_class=64)
+    resource.add_reclaimer(MemoryType.HOST, spill.trim)
+    blocks = HostBlocks(spill, HostPool(2 * STAGE_BYTES, per_class=2))
+    inputs = [_host_table(i, 1000) for i in range(5)]
+    for op in (1, 2):
+        run = DeviceRun(comm, op, resource=resource, state=None, key="g", timeout=10, blocks=blocks)
+        comm.register_handler("mpsd", run.receive)
+        for i, t in enumerate(inputs):
+            run.insert(i, DeviceTable(t), ["key"], NPART)
+        stats = run.statistics
+        assert stats["bytes_spilled_host"] > 0 and stats["bytes_spilled_disk"] > 0
+        run.barrier(NPART)
+        parts = [_unpack(run.extract(j), inputs[0]) for j in range(NPART)]
+        _check_output(parts, inputs, NPART)
+        assert run.closed and stats["bytes_gathered"] > 0
+    # What the host tier held (buffers and idle blocks) never passed its budget;
+    # the second run's spills went into the first run's blocks.
+    assert resource.peak(MemoryType.HOST) <= host
+    assert spill.stats()["reused_bytes"] > 0 and 0 < spill.idle_bytes <= host
+    assert resource.used(MemoryType.HOST) == spill.idle_bytes  # kept across runs, reserved
+    assert blocks.stage is not None and blocks.stage.stats()["reused_bytes"] > 0
+    assert resource.reclaim(MemoryType.HOST) > 0 and resource.used(MemoryType.HOST) == 0
+    assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]
+    assert os.listdir(tmp_path) == []
+
+
+def test_gather_stages_disk_pieces_between_host_pieces_in_one_block() -> None:
+    from mpshuffle.shuffler.device.gather import Located, gather
+    from mpshuffle.table.device import piece_metadata
+
+    # One int64 column: pieces alternate disk, host, disk, device, disk.
+    meta = piece_metadata(["a"], [np.dtype(np.int64)])
+    values = [np.arange(10 * k, 10 * k + n, dtype=np.int64) for k, n in enumerate([3, 8, 1, 5, 9])]
+    file = np.zeros(4096, np.uint8)
+    where: list[Located] = []
+    offset = 0
+    for k, v in enumerate(values):
+        raw = v.view(np.uint8)
+        if k in (0, 2, 4):
+            file[offset : offset + raw.nbytes] = raw
+            where.append(Located(raw.nbytes, len(v), file_offset=offset))
+            offset += 128
+        elif k == 1:
+            where.append(Located(raw.nbytes, len(v), host=np.concatenate([np.zeros(8, np.uint8), raw]), offset=8))
+        else:
+            where.append(Located(raw.nbytes, len(v), device=raw.copy()))
+
+    def read(ranges: Any) -> Any:
+        out, positions, at = np.zeros(4096, np.uint8), [], 0
+        for off, n in ranges:
+            out[at : at + n] = file[off : off + n]
+            positions.append(at)
+            at += n + (-n) % 64
+        return out, positions
+
+    data, nrows = gather(where, meta, xp=np, read=read, stage_bytes=1 << 20)
+    assert nrows == 26
+    np.testing.assert_array_equal(data[: 26 * 8].view(np.int64), np.concatenate(values))

@@ -22,9 +22,11 @@ class FakeBuffer:
         self.reservation = resource.reserve(MemoryType.DEVICE, nbytes)
         self.data = np.full(nbytes, ord(name[-1]), dtype=np.uint8)
         self.ranges: list[tuple[int, int]] = []
+        self.moves: list[MemoryType] = []
 
-    def move_down(self) -> int:
-        below = TIERS[TIERS.index(self.tier) + 1]
+    def move_down(self, to: MemoryType | None = None) -> int:
+        below = to or TIERS[TIERS.index(self.tier) + 1]
+        self.moves.append(below)
         if below is MemoryType.DISK:
             self.ranges = self.disk.put([self.data])
             self.data = None
@@ -56,14 +58,25 @@ def test_admits_and_over_follow_the_budget() -> None:
     assert r.used(MemoryType.HOST) == 0
 
 
-def test_spill_down_moves_the_oldest_first_one_tier_at_a_time(tmp_path: Any) -> None:
+def test_spill_down_moves_the_oldest_first_making_room_below_first(tmp_path: Any) -> None:
     r = BufferResource({MemoryType.DEVICE: 250, MemoryType.HOST: 150}, spill_dir=str(tmp_path))
     disk = DiskTier(SpillDirectory(str(tmp_path / "run"), owner="rank 0"))
     bufs = [FakeBuffer(f"b{k}", r, 100, disk) for k in range(4)]  # oldest first; 400 on the device
+    peaks: list[int] = []
+    real_reserve = r.reserve
+
+    def reserve(mt: MemoryType, nbytes: int) -> Any:
+        res = real_reserve(mt, nbytes)
+        peaks.append(r.used(MemoryType.HOST))
+        return res
+
+    r.reserve = reserve  # type: ignore[method-assign]
     stats, count = _counter()
     spill_down(r, bufs, count)
-    # Device past 250: b0 and b1 went to host (200); host past 150: b0 went on to disk.
+    # Device past 250: b0 went to host; b1 too, after b0 made room by going on to disk.
+    # The host never held more than its 150.
     assert [b.tier for b in bufs] == [MemoryType.DISK, MemoryType.HOST, MemoryType.DEVICE, MemoryType.DEVICE]
+    assert max(peaks) <= 150
     assert [r.used(mt) for mt in TIERS] == [200, 100, 100]
     assert stats["bytes_spilled_host"] == 200 and stats["bytes_spilled_disk"] == 100
     assert stats["seconds_spill_host"] >= 0 and stats["seconds_spill_disk"] >= 0
@@ -83,7 +96,7 @@ def test_spill_down_counts_what_moved_before_an_error(tmp_path: Any) -> None:
     disk = DiskTier(SpillDirectory(str(tmp_path / "run")))
     bufs = [FakeBuffer(f"b{k}", r, 10, disk) for k in range(3)]
     for b in bufs:
-        b.move_down()  # all in host, past its budget of 0
+        b.move_down(MemoryType.HOST)  # all in host, past its budget of 0
     stats, count = _counter()
     real_put = disk.put
     calls = {"n": 0}
@@ -98,6 +111,60 @@ def test_spill_down_counts_what_moved_before_an_error(tmp_path: Any) -> None:
     with pytest.raises(SpillError, match="disk is full"):
         spill_down(r, bufs, count)
     assert stats["bytes_spilled_disk"] == 10 and bufs[0].tier is MemoryType.DISK and bufs[1].tier is MemoryType.HOST
+    disk.remove()
+
+
+def test_a_device_buffer_the_host_cannot_take_goes_straight_to_disk(tmp_path: Any) -> None:
+    # The host is full of what this store cannot move (another run's): no room is made there.
+    r = BufferResource({MemoryType.DEVICE: 100, MemoryType.HOST: 150}, spill_dir=str(tmp_path))
+    other = r.reserve(MemoryType.HOST, 120)
+    disk = DiskTier(SpillDirectory(str(tmp_path / "run")))
+    bufs = [FakeBuffer(f"b{k}", r, 100, disk) for k in range(2)]
+    stats, count = _counter()
+    spill_down(r, bufs, count)
+    assert bufs[0].moves == [MemoryType.DISK] and bufs[1].tier is MemoryType.DEVICE
+    assert stats["bytes_spilled_disk"] == 100 and stats.get("bytes_spilled_host", 0) == 0
+    assert r.used(MemoryType.HOST) == 120
+    other.release()
+    disk.remove()
+
+
+def test_idle_pooled_memory_is_room_and_is_reclaimed_before_buffers_move(tmp_path: Any) -> None:
+    r = BufferResource({MemoryType.DEVICE: 100, MemoryType.HOST: 150}, spill_dir=str(tmp_path))
+    disk = DiskTier(SpillDirectory(str(tmp_path / "run")))
+    idle = {"res": r.reserve(MemoryType.HOST, 100)}  # a pool's free block, reserved
+
+    def trim() -> int:
+        res = idle.pop("res", None)
+        if res is None:
+            return 0
+        res.release()
+        return 100
+
+    r.add_reclaimer(MemoryType.HOST, trim)
+    reclaimed_before: list[bool] = []
+
+    class Pooled(FakeBuffer):
+        def move_down(self, to: MemoryType | None = None) -> int:
+            reclaimed_before.append("res" not in idle)
+            if to is MemoryType.HOST and "res" in idle:
+                idle.pop("res").release()  # the move takes the free block over
+            return super().move_down(to)
+
+    # A block that the move would take over counts as room: nothing is reclaimed first.
+    bufs = [Pooled(f"b{k}", r, 100, disk) for k in range(2)]
+    _stats, count = _counter()
+    spill_down(r, bufs, count, host_cost=lambda n: n - (100 if "res" in idle else 0))
+    assert bufs[0].moves == [MemoryType.HOST] and reclaimed_before == [False]
+    assert r.used(MemoryType.HOST) == 100
+    bufs[0].move_down(MemoryType.DISK)
+    reclaimed_before.clear()
+    # No block fits the next one: idle memory goes back before any buffer moves to disk.
+    idle["res"] = r.reserve(MemoryType.HOST, 100)
+    bufs.append(FakeBuffer("b2", r, 100, disk))
+    spill_down(r, bufs, count)
+    assert bufs[1].moves == [MemoryType.HOST] and reclaimed_before == [True] and "res" not in idle
+    assert r.used(MemoryType.HOST) == 100
     disk.remove()
 
 
@@ -122,3 +189,5 @@ def test_to_host_copies() -> None:
     a = np.arange(5, dtype=np.uint8)
     b = to_host(a)
     assert b is not a and b.tolist() == [0, 1, 2, 3, 4] and b.dtype == np.uint8
+    out = np.zeros(5, dtype=np.uint8)
+    assert to_host(a, out) is out and out.tolist() == [0, 1, 2, 3, 4]

@@ -28,6 +28,7 @@ _HELLO = 0.5  # seconds a connection may take to say hello, in these tests
 def _security(protocol: str) -> Any:
     if protocol == "tcp":
         return None
+    pytest.importorskip("cryptography", reason="Security.temporary() makes its certificates with cryptography")
     from distributed.security import Security
 
     return Security.temporary()

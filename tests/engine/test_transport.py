@@ -249,6 +249,7 @@ def test_probe_and_message_files_outside_the_directory_are_refused(tmp_path: Any
 def test_large_messages_on_a_socket_land_in_buffers_of_the_receivers_allocator(tls: bool) -> None:
     security = None
     if tls:
+        pytest.importorskip("cryptography", reason="Security.temporary() makes its certificates with cryptography")
         from distributed.security import Security
 
         security = Security.temporary()

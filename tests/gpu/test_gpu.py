@@ -239,3 +239,60 @@ def test_device_split_equals_host_split(contiguous: bool) -> None:
         g, w = unpack_piece(got[pid]).to_host().columns, unpack_piece(piece).columns
         for k in w:
             np.testing.assert_array_equal(g[k], w[k], err_msg=f"pid {pid}, column {k}")
+
+
+@pytest.mark.parametrize("host_budget", [None, 3 * 2**20])
+def test_device_run_spills_into_reused_page_locked_blocks_and_gathers_each_partition(
+    tmp_path, host_budget  # type: ignore[no-untyped-def]
+) -> None:
+    """Past the device budget (and the host budget: disk), buffers go to pooled page-locked blocks;
+    every extract gathers its pieces into one device piece; a second run reuses the blocks."""
+    from mpshuffle.comm import LocalCommunicator
+    from mpshuffle.memory import BufferResource, MemoryType
+    from mpshuffle.memory.device import pinned_empty
+    from mpshuffle.memory.pool import HostPool
+    from mpshuffle.shuffler.device import DeviceRun
+    from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
+    from mpshuffle.shuffler.device.state import DeviceState
+
+    register_device_adapter()
+    nrows, ninputs, npart = 100_000, 6, 4  # 3.2 MB a table
+    resource = BufferResource({MemoryType.DEVICE: 4_000_000, MemoryType.HOST: host_budget}, spill_dir=str(tmp_path))
+    spill = HostPool(host_budget or 2**30, resource, per_class=64, fresh=pinned_empty)
+    resource.add_reclaimer(MemoryType.HOST, spill.trim)
+    blocks = HostBlocks(spill, HostPool(2 * STAGE_BYTES, per_class=2, fresh=pinned_empty))
+    rs = cupy.random.RandomState(3)
+    inputs = [
+        DeviceTable({"k": rs.randint(0, 2**62, nrows, dtype=np.int64),
+                     "row": cupy.arange(i * nrows, (i + 1) * nrows, dtype=np.int64),
+                     "x": rs.random_sample(nrows), "f": rs.random_sample(nrows).astype(np.float32)})
+        for i in range(ninputs)
+    ]
+    for op in (1, 2):
+        comm = LocalCommunicator()
+        run = DeviceRun(comm, op, resource=resource, state=DeviceState(0, 4_000_000, 0), key="t",
+                        timeout=60, blocks=blocks)
+        comm.register_handler("mpsd", run.receive)
+        for i, t in enumerate(inputs):
+            run.insert(i, t, ["k"], npart)
+        run.barrier(npart)
+        rows = []
+        for j in range(npart):
+            pieces = run.extract(j)
+            assert len(pieces) == 1 and isinstance(pieces[0].data, cupy.ndarray)
+            out = DeviceAdapter().unpack(pieces, inputs[0].empty_like())
+            assert (DeviceAdapter().partition_ids(out, ["k"], npart) == j).all()
+            r = out.columns["row"].get()
+            assert (np.diff(r // nrows) >= 0).all()  # input order kept
+            rows.append(r)
+        assert np.array_equal(np.sort(np.concatenate(rows)), np.arange(ninputs * nrows))
+        stats = run.statistics
+        assert stats["bytes_spilled_host"] > 0 and stats["bytes_gathered"] > 0
+        assert (stats["bytes_spilled_disk"] > 0) == (host_budget is not None)
+        assert run.closed and resource.used(MemoryType.DEVICE) == 0
+        comm.close()
+    if host_budget is not None:
+        assert resource.peak(MemoryType.HOST) <= host_budget
+    assert spill.stats()["reused_bytes"] > 0
+    spill.close()
+    assert [resource.used(mt) for mt in MemoryType] == [0, 0, 0]

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["batched_copy", "device_budget", "device_memory_bytes", "reserve_device_pool"]
+__all__ = ["batched_copy", "device_budget", "device_memory_bytes", "pinned_empty", "reserve_device_pool"]
 
 # Bytes one thread block of the batched copy moves (a multiple of 16).
 _CHUNK = 1 << 16
@@ -39,6 +39,31 @@ extern "C" __global__ void mpshuffle_batched_copy(
     else mpshuffle_copy_units<unsigned char>(src[c], dst[c], nbytes[c]);
 }
 """
+
+
+def pinned_empty(nbytes: int) -> Any:
+    """A new block of ``nbytes`` bytes of page-locked host memory, as a 1-D ``uint8`` NumPy array.
+
+    Allocated with ``cudaHostAlloc`` (CuPy's ``PinnedMemory``, not CuPy's
+    pinned pool, which would keep it after use); freed when the array and
+    its views are gone. Copies between it and the GPU run at the bus's speed
+    (~55 GB/s on an H200 against ~11 GB/s for pageable memory already
+    touched, ``benchmarks/results/gpu/README.md`` section 7). Page-aligned,
+    so 64-byte aligned. Falls back to pageable NumPy memory without CuPy or
+    a GPU (the CPU tests).
+    """
+    try:
+        import cupy
+        from cupy.cuda.pinned_memory import PinnedMemory, PinnedMemoryPointer
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no GPU")
+        memory = PinnedMemory(max(int(nbytes), 1))
+    except Exception:  # noqa: BLE001 - no CuPy, driver or device: pageable memory serves
+        raw = np.empty(nbytes + 64, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 64
+        return raw[start : start + nbytes]
+    return np.frombuffer(PinnedMemoryPointer(memory, 0), dtype=np.uint8, count=nbytes)
 
 
 def device_memory_bytes() -> int:

@@ -21,12 +21,23 @@ bytes are reserved as host memory in the worker's
 :class:`~mpshuffle.memory.BufferResource`, so they count against
 ``spill_host``; a block freed while the host budget is exceeded, or while
 the pool does not *retain* (no run is active), is given back at once.
+
+Where its blocks come from is the pool's ``fresh`` function: aligned NumPy
+memory by default, page-locked memory for the device runs' pools
+(:func:`mpshuffle.memory.device.pinned_empty`: a copy between the GPU and
+page-locked memory runs at ~55 GB/s against ~11 GB/s for pageable memory,
+but a fresh page-locked block costs about as much as the copy into fresh
+pageable memory it would save, so such memory pays only where it is reused).
+:meth:`HostPool.array` hands out a NumPy array instead of a ``pyarrow.Buffer``;
+:meth:`HostPool.reusable` says how many idle bytes a request would take over,
+so the store can count them as room (:func:`mpshuffle.memory.store.spill_down`).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,6 +70,11 @@ def size_class(nbytes: int) -> int:
     return -(-n // granule) * granule
 
 
+def _classes(cls: int) -> tuple[int, int, int]:
+    # A request is served by a block of its own class or of the next two.
+    return cls, size_class(cls + cls // 8), size_class(cls + cls // 4)
+
+
 def _aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
@@ -78,6 +94,9 @@ class HostPool:
         accounts nothing.
     per_class
         Free blocks kept per size class.
+    fresh
+        ``fresh(nbytes)``: a new 1-D ``uint8`` block of exactly ``nbytes``
+        bytes, 64-byte aligned (default: NumPy memory).
 
     Attributes
     ----------
@@ -96,7 +115,8 @@ class HostPool:
     retain: bool
 
     def __init__(
-        self, limit: int, resource: BufferResource | None = None, *, per_class: int = 4
+        self, limit: int, resource: BufferResource | None = None, *, per_class: int = 4,
+        fresh: Callable[[int], npt.NDArray[np.uint8]] | None = None,
     ) -> None:
         if limit < 0 or per_class < 0:
             raise ValueError(f"pool limit and per_class must be >= 0, got {limit}, {per_class}")
@@ -106,6 +126,7 @@ class HostPool:
         self.fresh_bytes = 0
         self.retain = True
         self._resource = resource
+        self._fresh = fresh or _aligned_empty
         self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
         self._idle = 0
         # Reentrant: a buffer collected by the garbage collector while this
@@ -138,7 +159,7 @@ class HostPool:
         cls = size_class(nbytes)
         block = None
         with self._lock:
-            for c in (cls, size_class(cls + cls // 8), size_class(cls + cls // 4)):
+            for c in _classes(cls):
                 blocks = self._free.get(c)
                 if blocks:
                     block = blocks.pop()
@@ -147,11 +168,27 @@ class HostPool:
                     self._account()
                     break
         if block is None:
-            block = _aligned_empty(cls)
+            block = self._fresh(cls)
             self.fresh_bytes += nbytes
         view = block[:nbytes]
         weakref.finalize(view, self._give, block)
         return pa.py_buffer(view)
+
+    def array(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """As :meth:`allocate`, as a writable 1-D ``uint8`` NumPy array.
+
+        The array's base is the pooled buffer, so the block returns to the
+        pool only once the array and every slice of it are gone.
+        """
+        return np.frombuffer(self.allocate(nbytes), np.uint8)
+
+    def reusable(self, nbytes: int) -> int:
+        """Bytes of the idle block a request of ``nbytes`` would take over (0: it would get fresh memory)."""
+        with self._lock:
+            for c in _classes(size_class(nbytes)):
+                if self._free.get(c):
+                    return c
+        return 0
 
     def _give(self, block: npt.NDArray[np.uint8]) -> None:
         size = int(block.shape[0])

@@ -330,7 +330,9 @@ class Postbox:
             raise self._error
         if not chunk.left:
             return
-        if admits(self.resource, MemoryType.HOST, chunk.nbytes):
+        if admits(self.resource, MemoryType.HOST, chunk.nbytes) or (
+            self.resource.reclaim(MemoryType.HOST) and admits(self.resource, MemoryType.HOST, chunk.nbytes)
+        ):
             tier = MemoryType.HOST
         else:
             frames = chunk.frames or []

@@ -6,6 +6,7 @@ import enum
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 
 from mpshuffle.errors import MPShuffleError
 
@@ -70,6 +71,20 @@ class BufferResource:
         self._used = {mt: 0 for mt in MemoryType}
         self._peak = {mt: 0 for mt in MemoryType}
         self._lock = threading.Lock()
+        self._reclaimers: dict[MemoryType, list[Callable[[], int]]] = {}
+
+    def add_reclaimer(self, memory_type: MemoryType, reclaim: Callable[[], int]) -> None:
+        """Register ``reclaim()``: gives back idle memory of ``memory_type`` it holds (a pool's free
+        blocks) and returns the bytes given back; :meth:`reclaim` calls it when the budget is short."""
+        self._reclaimers.setdefault(memory_type, []).append(reclaim)
+
+    def reclaim(self, memory_type: MemoryType) -> int:
+        """Have every registered reclaimer of ``memory_type`` give its idle memory back; the bytes freed.
+
+        What the store does before it moves buffers down a tier for room
+        (:mod:`mpshuffle.memory.store`): memory kept only for reuse goes first.
+        """
+        return sum(reclaim() for reclaim in list(self._reclaimers.get(memory_type, ())))
 
     def spill_path(self, name: str) -> str:
         """The spill directory of the part of the worker called ``name`` (a run on a rank):

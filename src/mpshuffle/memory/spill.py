@@ -31,7 +31,8 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -150,13 +151,19 @@ class SpillDirectory:
             self._end = end
         return offsets
 
-    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> tuple[memoryview, list[int]]:
+    def read_ranges(
+        self, ranges: Sequence[tuple[int, int]], allocate: Callable[[int], Any] | None = None
+    ) -> tuple[Any, list[int]]:
         """Read byte ranges of the rank's one file (from :meth:`append`) into one aligned buffer.
 
         Parameters
         ----------
         ranges
             ``(offset, nbytes)`` of each range.
+        allocate
+            ``allocate(nbytes)`` makes the buffer (a writable, 64-byte aligned
+            1-D ``uint8`` array, e.g. a pooled page-locked block); by default
+            fresh memory.
 
         Returns
         -------
@@ -176,7 +183,7 @@ class SpillDirectory:
         for _, nbytes in ranges:
             positions.append(total)
             total += nbytes + (-nbytes) % ALIGNMENT
-        buf = _aligned_empty(total)
+        buf = _aligned_empty(total) if allocate is None else allocate(total)
         with self._lock:
             fd = self._fd
             if fd is None:

@@ -17,7 +17,15 @@ module's building blocks and follow its one policy:
   budget, its **oldest** buffers move one tier down (device -> host, then
   host -> disk), oldest first, until the tier is within budget. The oldest
   is read last (outputs are extracted after every input is in), so moving
-  it costs the least waiting.
+  it costs the least waiting. **Room is made below first**: a device buffer
+  comes down to host only once the host tier can take it within its budget
+  (idle pooled memory given back first, :meth:`BufferResource.reclaim`,
+  then the oldest host buffers written to disk); where the host holds
+  nothing this store can move, it passes straight to disk through a
+  transfer block. So the host stays within ``spill_host`` with a disk tier.
+  The arrival rule is the same rule for a buffer that arrives from the
+  network rather than from the device: the postbox gives idle pooled
+  memory back before a chunk goes to disk.
 * **Coming back**: nothing moves up on its own. A buffer comes back when it
   is read (an extract, an exchange round), into host memory, as the byte
   ranges it needs (:meth:`DiskTier.get`), never a whole file.
@@ -38,6 +46,8 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
+
+import numpy as np
 
 from mpshuffle.memory.resource import BufferResource, MemoryType
 from mpshuffle.memory.spill import SpillDirectory
@@ -64,25 +74,42 @@ def admits(resource: BufferResource, memory_type: MemoryType, nbytes: int) -> bo
     return available is None or nbytes <= available or not nbytes
 
 
-def to_host(data: Any) -> Any:
+def to_host(data: Any, out: Any = None) -> Any:
     """The device tier's move down: a host (NumPy) copy of ``data``.
 
     ``data`` is a CuPy array (copied with ``.get()``, on the current
-    stream, synchronously) or a NumPy stand-in (copied).
+    stream, synchronously) or a NumPy stand-in (copied). ``out``, a 1-D
+    ``uint8`` host array of ``data``'s size (a pooled page-locked block),
+    receives the copy; without it the copy goes to fresh memory.
     """
-    return data.get() if hasattr(data, "get") else data.copy()
+    if out is None:
+        return data.get() if hasattr(data, "get") else data.copy()
+    if hasattr(data, "get"):
+        data.get(out=out)
+    else:
+        np.copyto(out, data)
+    return out
 
 
 class Spillable(Protocol):
-    """A buffer the store can move down: where it is now, and one step down."""
+    """A buffer the store can move down: where it is now, its size there, and a move down."""
 
     @property
     def tier(self) -> MemoryType:
         """The tier the buffer is in now."""
         ...
 
-    def move_down(self) -> int:
-        """Move one tier down; return the bytes moved (0 where it cannot move).
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds in its tier (what moving it frees there)."""
+        ...
+
+    def move_down(self, to: MemoryType) -> int:
+        """Move to tier ``to`` (below the buffer's); return the bytes moved (0 where it cannot move).
+
+        A device buffer moves to ``HOST`` or, where the host tier has no
+        room for it, straight to ``DISK`` (through a staging block); a host
+        buffer moves to ``DISK``.
 
         Raises
         ------
@@ -97,12 +124,19 @@ def spill_down(
     entries: Sequence[Spillable],
     count: Callable[[str, float], None],
     scope: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    *,
+    host_cost: Callable[[int], int] | None = None,
 ) -> None:
     """The over-budget rule: move the oldest buffers down a tier while a tier is past its budget.
 
-    Tiers are handled top first: ``DEVICE`` buffers are moved to host while
-    the ``DEVICE`` use is past its budget, then ``HOST`` buffers to disk
-    while the ``HOST`` use is (the worker's, shared with its other runs).
+    Tiers are handled top first. While the ``DEVICE`` use is past its
+    budget, the oldest device buffer moves down; **room is made below
+    first**: while the host tier cannot take it, idle pooled host memory is
+    given back (:meth:`BufferResource.reclaim`) and then the oldest host
+    buffers go to disk, so the host stays within its budget; only where that leaves no room (nothing of this run on the
+    host, the rest the worker's other runs') does the buffer go straight to
+    disk. Then, while the ``HOST`` use is past its budget (the worker's,
+    shared with its other runs), the oldest host buffers go to disk.
 
     Parameters
     ----------
@@ -113,31 +147,67 @@ def spill_down(
     count
         ``count(statistic, amount)`` adds to the run's statistics:
         ``bytes_spilled_host`` and ``seconds_spill_host`` (device -> host),
-        ``bytes_spilled_disk`` and ``seconds_spill_disk`` (host -> disk);
-        also for what was moved before an error.
+        ``bytes_spilled_disk`` and ``seconds_spill_disk`` (to disk, from the
+        host or straight from the device); also for what was moved before
+        an error.
     scope
         Makes the buffers' GPU current while device buffers move.
-
+    host_cost
+        ``host_cost(nbytes)``: the host bytes a device buffer of ``nbytes``
+        adds to the ``HOST`` use when it moves there: its block's size, less
+        the idle pooled block it would take over (reserved already, so
+        room); by default ``nbytes``.
     Raises
     ------
     SpillError
         If writing to disk failed (e.g. the disk is full).
     """
-    for upper, key in ((MemoryType.DEVICE, "host"), (MemoryType.HOST, "disk")):
-        if not over(resource, upper):
-            continue
-        t0 = time.perf_counter()
-        moved = 0
-        try:
-            with scope() if upper is MemoryType.DEVICE else nullcontext():
+    moved = {"host": 0, "disk": 0}
+    seconds = {"host": 0.0, "disk": 0.0}
+
+    def host_fits(nbytes: int) -> bool:
+        available = resource.available(MemoryType.HOST)
+        return available is None or (host_cost(nbytes) if host_cost else nbytes) <= available
+
+    def to_disk(b: Spillable) -> None:
+        t = time.perf_counter()
+        moved["disk"] += b.move_down(MemoryType.DISK)
+        seconds["disk"] += time.perf_counter() - t
+
+    try:
+        if over(resource, MemoryType.DEVICE):
+            with scope():
                 for b in entries:
-                    if not over(resource, upper):
+                    if not over(resource, MemoryType.DEVICE):
                         break
-                    if b.tier is upper:
-                        moved += b.move_down()
-        finally:
-            count(f"bytes_spilled_{key}", moved)
-            count(f"seconds_spill_{key}", time.perf_counter() - t0)
+                    if b.tier is not MemoryType.DEVICE:
+                        continue
+                    nbytes = b.nbytes
+                    if not host_fits(nbytes):
+                        resource.reclaim(MemoryType.HOST)
+                    for h in entries:
+                        if host_fits(nbytes):
+                            break
+                        if h.tier is MemoryType.HOST:
+                            to_disk(h)
+                    if host_fits(nbytes):
+                        t = time.perf_counter()
+                        moved["host"] += b.move_down(MemoryType.HOST)
+                        seconds["host"] += time.perf_counter() - t
+                    else:
+                        to_disk(b)
+        if over(resource, MemoryType.HOST):
+            resource.reclaim(MemoryType.HOST)
+            for h in entries:
+                if not over(resource, MemoryType.HOST):
+                    break
+                if h.tier is MemoryType.HOST:
+                    to_disk(h)
+    finally:
+        for key in ("host", "disk"):
+            if moved[key] or seconds[key]:
+                count(f"bytes_spilled_{key}", moved[key])
+                count(f"seconds_spill_{key}", seconds[key])
 
 
 class DiskTier:
@@ -194,8 +264,11 @@ class DiskTier:
         self.bytes_written += sum(sizes)
         return list(zip(offsets, sizes, strict=True))
 
-    def get(self, ranges: Sequence[tuple[int, int]]) -> list[Any]:
+    def get(self, ranges: Sequence[tuple[int, int]], allocate: Callable[[int], Any] | None = None) -> list[Any]:
         """Read the ``(offset, nbytes)`` ranges back, into one aligned host buffer.
+
+        ``allocate(nbytes)``, where given, makes that buffer (a pooled block);
+        otherwise it is fresh memory.
 
         Returns
         -------
@@ -211,10 +284,12 @@ class DiskTier:
         """
         if not ranges:
             return []
-        buf, positions = self.read(ranges)
+        buf, positions = self.read(ranges, allocate)
         return [buf[at : at + n] for (_, n), at in zip(ranges, positions, strict=True)]
 
-    def read(self, ranges: Sequence[tuple[int, int]]) -> tuple[memoryview, list[int]]:
+    def read(
+        self, ranges: Sequence[tuple[int, int]], allocate: Callable[[int], Any] | None = None
+    ) -> tuple[Any, list[int]]:
         """Read the ``(offset, nbytes)`` ranges back into one aligned host buffer: it and where each starts.
 
         As :meth:`get` without a view per range (positions are multiples of
@@ -226,7 +301,7 @@ class DiskTier:
             If the file cannot be read or ends early.
         """
         t0 = time.perf_counter()
-        buf, positions = self.directory.read_ranges(ranges)
+        buf, positions = self.directory.read_ranges(ranges, allocate)
         self.seconds_read += time.perf_counter() - t0
         self.bytes_read += sum(n for _, n in ranges)
         return buf, positions

@@ -11,8 +11,10 @@ from mpshuffle.comm.local import LocalCommunicator
 from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.memory.allocator import use_system_allocator
+from mpshuffle.memory.device import pinned_empty
 from mpshuffle.memory.pool import HostPool
 from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
+from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
 from mpshuffle.shuffler.host import TAG, Shuffler
 from mpshuffle.shuffler.run import Run
 
@@ -62,6 +64,18 @@ class WorkerContext:
         Host memory reused by the runs' buffers (:class:`~mpshuffle.memory.pool.HostPool`):
         free blocks (at most 4 per size class, a quarter of the host budget in
         all) kept only while a run is active, reserved against the budget.
+    blocks
+        The device runs' host memory (:class:`~mpshuffle.shuffler.device.buffers.HostBlocks`),
+        page-locked where there is a GPU and reused across spills and runs:
+        ``blocks.spill`` holds buffers moved device -> host; its free blocks
+        are kept across runs, at most the host budget of them (1 GiB without
+        one), reserved against it, and given back when the host tier needs
+        room (:meth:`~mpshuffle.memory.BufferResource.reclaim`), when Dask
+        pauses the worker (:meth:`move_to_disk`) and when the context
+        closes. ``blocks.stage`` holds transfer blocks (between disk and the
+        device): at most two free blocks of
+        :data:`~mpshuffle.shuffler.device.buffers.STAGE_BYTES`, kept across
+        runs outside the budget (as a socket's buffers are).
     shufflers
         Running shuffles on this rank, by ``op_id``.
     history
@@ -129,6 +143,15 @@ class WorkerContext:
         budget = limits[MemoryType.HOST]
         self.pool = HostPool(_POOL_DEFAULT if budget is None else budget // 4, self.resource)
         self.pool.retain = False  # until a run starts
+        # Device runs' spilled buffers and transfers: page-locked where there is
+        # a GPU (fresh page-locked memory costs what a copy into it saves, so it
+        # pays only where reused: across spills and runs, within the budget).
+        fresh = pinned_empty if self.device is not None else None
+        spill_pool = HostPool(_POOL_DEFAULT if budget is None else budget, self.resource,
+                              per_class=2**16, fresh=fresh)
+        self.resource.add_reclaimer(MemoryType.HOST, spill_pool.trim)
+        stage_pool = HostPool(2 * STAGE_BYTES, None, per_class=2, fresh=fresh)
+        self.blocks = HostBlocks(spill_pool, stage_pool)
         # Chunks from a socket land in pooled memory too (the tcp backend's
         # hook; other backends hand over the sender's own buffers).
         set_allocator = getattr(comm, "set_receive_allocator", None)
@@ -188,7 +211,7 @@ class WorkerContext:
             if device:
                 s = DeviceRun(
                     self.comm, op_id, resource=self.resource, state=self.device,
-                    key=self.generation, timeout=timeout, on_done=self._on_done,
+                    key=self.generation, timeout=timeout, on_done=self._on_done, blocks=self.blocks,
                 )
             else:
                 s = Shuffler(
@@ -294,7 +317,7 @@ class WorkerContext:
             s.close()
 
     def move_to_disk(self) -> int:
-        """Move what this rank's host runs hold in memory to disk, and give the pool's free blocks back.
+        """Move what this rank's host runs hold in memory to disk, and give the pools' free blocks back.
 
         What a worker does when its memory manager paused it (see
         :meth:`mpshuffle.memory.postbox.Postbox.move_to_disk`).
@@ -302,7 +325,7 @@ class WorkerContext:
         Returns
         -------
         int
-            Bytes freed: the chunks moved plus the pool's free blocks given back.
+            Bytes freed: the chunks moved plus the pools' free blocks given back.
         """
         with self._lock:
             runs = list(self.shufflers.values())
@@ -311,7 +334,10 @@ class WorkerContext:
             move = getattr(run, "move_to_disk", None)  # host runs; device runs spill by their own store
             if move is not None:
                 freed += move()
-        return freed + self.pool.trim()
+        return freed + self.pool.trim() + self._trim_blocks()
+
+    def _trim_blocks(self) -> int:
+        return sum(p.trim() for p in (self.blocks.spill, self.blocks.stage) if p is not None)
 
     def end_run(self, op_id: int) -> None:
         """Free run ``op_id``'s state on this rank (it finished or was released)."""
@@ -341,4 +367,7 @@ class WorkerContext:
         if self.device is not None:
             self.device.close()
         self.pool.close()
+        for p in (self.blocks.spill, self.blocks.stage):
+            if p is not None:
+                p.close()
         self.comm.close()

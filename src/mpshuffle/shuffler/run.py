@@ -46,9 +46,9 @@ __all__ = ["STATISTICS", "Run", "Statistics"]
 STATISTICS: tuple[str, ...] = (
     "bytes_inserted", "bytes_sent", "bytes_received",
     "bytes_spilled_host", "bytes_spilled_disk", "bytes_unspilled_disk", "bytes_consolidated",
-    "chunks_sent", "chunks_received", "rounds",
+    "bytes_gathered", "chunks_sent", "chunks_received", "rounds",
     "seconds_insert", "seconds_headers", "seconds_exchange", "seconds_consolidate",
-    "seconds_spill_host", "seconds_spill_disk", "seconds_unspill_disk",
+    "seconds_gather", "seconds_spill_host", "seconds_spill_disk", "seconds_unspill_disk",
     "seconds_wait", "seconds_extract",
 )
 
@@ -66,11 +66,17 @@ class Statistics(dict[str, float]):
     ``bytes_spilled_host``, ``seconds_spill_host``
         Device buffers copied to host memory past the device budget (device runs).
     ``bytes_spilled_disk``, ``seconds_spill_disk``
-        Host buffers written to the spill directory past the host budget.
+        Buffers written to the spill directory past the host budget (host
+        buffers; device runs: also device buffers that went straight to disk
+        where the host tier had no room).
     ``bytes_unspilled_disk``, ``seconds_unspill_disk``
         Spilled bytes read back (host runs: by extract, counted in its time).
     ``bytes_consolidated``, ``seconds_consolidate``
         Output partitions gathered into one piece each after the exchange (device runs).
+    ``bytes_gathered``, ``seconds_gather``
+        Output partitions not consolidated, gathered into one device piece
+        each by their extract from the device, host memory and disk (device
+        runs; the disk reads also count in ``*_unspill_disk``).
     ``chunks_sent``, ``chunks_received``
         Chunks of the host path's streaming sends.
     ``rounds``, ``seconds_headers``, ``seconds_exchange``

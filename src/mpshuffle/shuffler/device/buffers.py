@@ -31,12 +31,15 @@ from typing import Any
 import numpy as np
 
 from mpshuffle.memory import BufferResource, MemoryType, Reservation
+from mpshuffle.memory.pool import HostPool, size_class
 from mpshuffle.memory.store import DiskTier, to_host
 from mpshuffle.table import owned_partitions
 
 __all__ = [
+    "STAGE_BYTES",
     "DeviceBuffer",
     "Held",
+    "HostBlocks",
     "Incoming",
     "Outgoing",
     "Output",
@@ -48,6 +51,47 @@ __all__ = [
     "own_pieces",
     "to_device",
 ]
+
+@dataclasses.dataclass(frozen=True)
+class HostBlocks:
+    """Where a device run's copies in host memory come from: the worker's pooled blocks.
+
+    ``spill`` serves buffers moved device -> host (and outbox buffers read
+    back from disk for their round); ``stage`` serves transfer blocks of at
+    most :data:`STAGE_BYTES`: a device buffer passing straight to disk, and
+    spilled pieces read back on their way to the device
+    (:mod:`mpshuffle.shuffler.device.gather`). ``None``: fresh memory every
+    time. See :meth:`mpshuffle.shuffler.context.WorkerContext` for their
+    bounds.
+    """
+
+    spill: HostPool | None = None
+    stage: HostPool | None = None
+
+    def spill_array(self, nbytes: int) -> Any:
+        """A host array of ``nbytes`` for a spilled buffer (pooled where there is a pool)."""
+        return self.spill.array(nbytes) if self.spill is not None else _host_empty(nbytes)
+
+    def held_bytes(self, nbytes: int) -> int:
+        """Host bytes a spilled buffer of ``nbytes`` holds: its pooled block's size class."""
+        return size_class(nbytes) if self.spill is not None and nbytes else nbytes
+
+    def host_cost(self, nbytes: int) -> int:
+        """Host bytes a spill of ``nbytes`` adds to the ``HOST`` use: its block, less an idle block it takes over."""
+        if self.spill is None:
+            return nbytes
+        return self.held_bytes(nbytes) - self.spill.reusable(nbytes)
+
+    def stage_array(self, nbytes: int) -> Any:
+        """A transfer block of at least ``nbytes`` (one size, :data:`STAGE_BYTES`, up to that, so blocks are reused)."""
+        size = max(int(nbytes), STAGE_BYTES)
+        return self.stage.array(size) if self.stage is not None else _host_empty(size)
+
+
+#: Bytes of one transfer block (:attr:`HostBlocks.stage`): a copy to or from the device of
+#: this size runs at the bus's speed in page-locked memory, and the blocks stay few.
+STAGE_BYTES = 64 * 2**20
+
 
 @dataclasses.dataclass
 class DeviceBuffer:
@@ -66,23 +110,38 @@ class DeviceBuffer:
             return MemoryType.DISK
         return MemoryType.DEVICE if self.on_device else MemoryType.HOST
 
-    def spill(self, resource: BufferResource) -> int:
-        """Move to host memory (the device tier's move down); return the bytes moved (0 if already there)."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds in its tier (its data's; on disk, its segments')."""
+        if self.disk is not None:
+            return sum(n for _, n, _ in self.disk)
+        return int(self.data.nbytes) if self.data is not None else 0
+
+    def spill(self, resource: BufferResource, blocks: HostBlocks | None = None) -> int:
+        """Move to host memory (the device tier's move down); return the bytes moved (0 if already there).
+
+        The copy goes into a block of ``blocks.spill`` (page-locked and reused
+        across spills and runs where the worker has a GPU), accounted as
+        ``HOST`` at the block's size.
+        """
         if not self.on_device:
             return 0
+        blocks = blocks or HostBlocks()
         nbytes = int(self.data.nbytes)
-        self.data = to_host(self.data)
+        host = to_host(self.data, blocks.spill_array(nbytes))
         self.reservation.release()
-        self.reservation = resource.reserve(MemoryType.HOST, nbytes)
+        self.data = host
+        self.reservation = resource.reserve(MemoryType.HOST, blocks.held_bytes(nbytes))
         self.on_device = False
         return nbytes
 
     def spill_to_disk(self, resource: BufferResource, disk: DiskTier, segments: Sequence[tuple[int, int]]) -> int:
         """Append a host buffer's ``(start, end)`` byte ranges to the run's spill file (one write).
 
-        The host memory is given up and each written segment is accounted
-        as ``DISK``. Returns the bytes written (0 for a buffer on the
-        device or already on disk).
+        The host memory is given up (its reservation first, so a pooled block
+        goes back to its pool within the budget) and each written segment is
+        accounted as ``DISK``. Returns the bytes written (0 for a buffer on
+        the device or already on disk).
 
         Raises
         ------
@@ -94,11 +153,42 @@ class DeviceBuffer:
             return 0
         ranges = disk.put([self.data[start:end] for start, end in segments])
         self.disk = [(offset, nbytes, resource.reserve(MemoryType.DISK, nbytes)) for offset, nbytes in ranges]
-        self.data = None
         self.reservation.release()
+        self.data = None
         return sum(nbytes for _, nbytes in ranges)
 
-    def load(self, resource: BufferResource, disk: DiskTier) -> int:
+    def spill_through(
+        self, resource: BufferResource, disk: DiskTier, segments: Sequence[tuple[int, int]], blocks: HostBlocks,
+    ) -> int:
+        """Move a device buffer straight to disk, through transfer blocks; return the bytes written.
+
+        For a host tier with no room even after the store made room there:
+        the ``segments`` (as :meth:`spill_to_disk`'s) are copied to a
+        transfer block of :attr:`HostBlocks.stage` a group at a time (a group
+        spans at most :data:`STAGE_BYTES`, or one larger segment) and
+        appended from there; host memory holds no more than one block.
+
+        Raises
+        ------
+        SpillError
+            If a write failed; the buffer stays on the device.
+        """
+        if not self.on_device:
+            return 0
+        written: list[tuple[int, int]] = []
+        for first, last in _groups(segments, STAGE_BYTES):
+            lo, hi = segments[first][0], segments[last - 1][1]
+            block = blocks.stage_array(hi - lo)
+            to_host(self.data[lo:hi], block[: hi - lo])
+            written += disk.put([block[s - lo : e - lo] for s, e in segments[first:last]])
+            del block
+        self.disk = [(offset, nbytes, resource.reserve(MemoryType.DISK, nbytes)) for offset, nbytes in written]
+        self.reservation.release()
+        self.data = None
+        self.on_device = False
+        return sum(nbytes for _, nbytes in written)
+
+    def load(self, resource: BufferResource, disk: DiskTier, blocks: HostBlocks | None = None) -> int:
         """Read a buffer written as one segment back into host memory; return the bytes read.
 
         Raises
@@ -108,12 +198,13 @@ class DeviceBuffer:
         """
         if self.disk is None:
             return 0
+        blocks = blocks or HostBlocks()
         ((offset, nbytes, res),) = self.disk
-        (view,) = disk.get([(offset, nbytes)])
+        (view,) = disk.get([(offset, nbytes)], blocks.spill_array)
         self.data = np.frombuffer(view, dtype=np.uint8)
         self.disk = None
         res.release()
-        self.reservation = resource.reserve(MemoryType.HOST, nbytes)
+        self.reservation = resource.reserve(MemoryType.HOST, blocks.held_bytes(nbytes))
         return nbytes
 
     def release(self) -> None:
@@ -121,6 +212,24 @@ class DeviceBuffer:
         self.reservation.release()
         for *_, res in self.disk or ():
             res.release()
+
+
+def _groups(segments: Sequence[tuple[int, int]], span: int) -> list[tuple[int, int]]:
+    """``[first, last)`` index ranges of consecutive ``segments`` that each span at most ``span`` bytes
+    (or one segment, where it alone is larger)."""
+    groups: list[tuple[int, int]] = []
+    first = 0
+    for k in range(1, len(segments) + 1):
+        if k == len(segments) or segments[k][1] - segments[first][0] > span:
+            groups.append((first, k))
+            first = k
+    return groups
+
+
+def _host_empty(nbytes: int) -> Any:
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start : start + nbytes]
 
 
 @dataclasses.dataclass
@@ -136,14 +245,20 @@ class Held:
     segments: list[tuple[int, int]]
     resource: BufferResource
     disk: DiskTier
+    blocks: HostBlocks = dataclasses.field(default_factory=HostBlocks)
 
     @property
     def tier(self) -> MemoryType:
         """The tier the buffer is in now."""
         return self.buffer.tier
 
-    def move_down(self) -> int:
-        """Device -> host, or host -> disk; the bytes moved.
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer holds in its tier."""
+        return self.buffer.nbytes
+
+    def move_down(self, to: MemoryType) -> int:
+        """Device -> host, device -> disk (through transfer blocks) or host -> disk; the bytes moved.
 
         Raises
         ------
@@ -151,7 +266,9 @@ class Held:
             If writing to disk failed.
         """
         if self.buffer.on_device:
-            return self.buffer.spill(self.resource)
+            if to is MemoryType.HOST:
+                return self.buffer.spill(self.resource, self.blocks)
+            return self.buffer.spill_through(self.resource, self.disk, self.segments, self.blocks)
         return self.buffer.spill_to_disk(self.resource, self.disk, self.segments)
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from mpshuffle.comm import Communicator
     from mpshuffle.shuffler.device.buffers import Incoming, Outgoing
 
-__all__ = ["UNBOUNDED_SLOTS", "Consolidation", "keep_accepted", "plan_consolidation", "slots_per_round", "swap_headers"]
+__all__ = ["UNBOUNDED_SLOTS", "Consolidation", "keep_accepted", "plan_consolidation", "plan_gather", "slots_per_round", "swap_headers"]
 
 # Headers of an exchange, taken with Communicator.recv: ("mpsd-x", op_id, "headers").
 XTAG = "mpsd-x"
@@ -139,12 +139,27 @@ def plan_consolidation(incoming: list[Incoming], meta: bytes) -> Consolidation:
     piece holds its columns one after the other, each 64-byte aligned
     (:func:`~mpshuffle.table.device.column_blocks`).
     """
-    items = np.array([d.itemsize for d in piece_dtypes(meta)], dtype=np.int64)
     # One row per received piece: (piece's buffer, byte offset there, pid, rows).
     table = np.array(
         [(k, off, pid, rows) for k, inc in enumerate(incoming) for pid, off, _, rows in inc.pieces],
         dtype=np.int64,
     ).reshape(-1, 4)
+    return plan_gather(table, meta)
+
+
+def plan_gather(table: Any, meta: bytes) -> Consolidation:
+    """Plan copying pieces into one packed buffer per output partition: the segments of one batched copy.
+
+    ``table`` has one row per piece, ``(source buffer, byte offset there,
+    partition id, rows)``, in the order each partition's rows keep; all
+    pieces share the metadata ``meta``; a packed piece holds its columns one
+    after the other, each 64-byte aligned
+    (:func:`~mpshuffle.table.device.column_blocks`). Used by the
+    consolidation (every owned partition at once) and by an extract's gather
+    (:mod:`mpshuffle.shuffler.device.gather`, one partition).
+    """
+    items = np.array([d.itemsize for d in piece_dtypes(meta)], dtype=np.int64)
+    table = np.asarray(table, dtype=np.int64).reshape(-1, 4)
     # Stable by pid: within a partition pieces stay in (input, source) order.
     table = table[np.argsort(table[:, 2], kind="stable")]
     pids, first, counts = np.unique(table[:, 2], return_index=True, return_counts=True)

@@ -37,11 +37,11 @@ for :class:`~mpshuffle.table.device.DeviceTable` partitions with CuPy columns.
   source rank) and the received buffers are freed. Each rank acknowledges the
   barrier when its exchange ended (with the error, if any).
 * **extract**: waits for the exchange and returns the partition's one
-  consolidated piece; without consolidation, its pieces (views into the
-  received buffers, on the device or spilled to host, or the partition's
-  byte ranges of the rank's spill file, read back to host in one read per
-  extract), ordered by input partition, which the device adapter concatenates
-  on the GPU.
+  consolidated piece; without consolidation, its pieces (on the device, in
+  host memory, or byte ranges of the rank's spill file) gathered into one
+  device piece (:mod:`mpshuffle.shuffler.device.gather`), or, where their
+  dtypes differ, the pieces themselves ordered by input partition, which the
+  device adapter concatenates on the GPU.
 
 Exchanges of one generation run one at a time on each rank, in rank 0's
 order (:meth:`~mpshuffle.shuffler.device.state.DeviceState.turn`). The
@@ -73,13 +73,16 @@ from mpshuffle.memory.device import batched_copy
 from mpshuffle.memory.store import DiskTier, over, spill_down
 from mpshuffle.shuffler.device import buffers, exchange
 from mpshuffle.shuffler.device.buffers import (
+    STAGE_BYTES,
     DeviceBuffer,
     Held,
+    HostBlocks,
     Incoming,
     Outgoing,
     Output,
     Piece,
 )
+from mpshuffle.shuffler.device.gather import Located, device_bytes, gather
 from mpshuffle.shuffler.device.state import DEVICE_TAG, DeviceState
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import PackedData
@@ -126,6 +129,10 @@ class DeviceRun(Run):
         this rank's turn).
     on_done
         Called once with ``op_id`` when the run's state is freed.
+    blocks
+        The worker's pooled host blocks for spilled buffers and transfers
+        (:class:`~mpshuffle.shuffler.device.buffers.HostBlocks`); by default
+        fresh memory every time.
     """
 
     label = "device shuffle op"
@@ -141,9 +148,11 @@ class DeviceRun(Run):
         key: str,
         timeout: float,
         on_done: Callable[[int], None] | None = None,
+        blocks: HostBlocks | None = None,
     ) -> None:
         super().__init__(comm, op_id, resource=resource, timeout=timeout, on_done=on_done)
         self.state = state
+        self._blocks = blocks or HostBlocks()
         self.key = key
         self._outbox: list[Outgoing] = []
         self._incoming: list[Incoming] = []
@@ -229,11 +238,12 @@ class DeviceRun(Run):
         self._spill_over_budget()
 
     def _spill_over_budget(self) -> None:
-        """Move the oldest buffers down a tier while a tier is over its budget.
+        """Move the oldest buffers down a tier while a tier is over its budget (the store's rule).
 
         Device buffers are copied to host while the ``DEVICE`` use is past its
-        budget; then host buffers are written to disk while the ``HOST`` use
-        is past its budget (the worker's, shared with its host shuffles).
+        budget, each after room was made for it on the host; then host
+        buffers are written to disk while the ``HOST`` use is past its budget
+        (the worker's, shared with its host shuffles).
 
         Raises
         ------
@@ -259,13 +269,15 @@ class DeviceRun(Run):
                 for o in self._outbox if o.buffer is not None
             ]
             entries += [self._held(i.buffer, i.pieces) for i in self._incoming]
-        spill_down(self.resource, entries, self._count, self.scope)
+        spill_down(self.resource, entries, self._count, self.scope, host_cost=self._blocks.host_cost)
 
     def _held(self, buffer: DeviceBuffer, pieces: list[Piece] | None) -> Held:
         """``buffer`` as the store holds it: written piece by piece, or whole where ``pieces`` is ``None``."""
         if pieces is None:
-            return Held(buffer, [(0, int(buffer.data.nbytes))] if buffer.data is not None else [], self.resource, self._disk)
-        return Held(buffer, [(off, off + nbytes) for _, off, nbytes, _ in pieces], self.resource, self._disk)
+            segments = [(0, int(buffer.data.nbytes))] if buffer.data is not None else []
+        else:
+            segments = [(off, off + nbytes) for _, off, nbytes, _ in pieces]
+        return Held(buffer, segments, self.resource, self._disk, self._blocks)
 
     def _load(self, buffer: DeviceBuffer) -> None:
         """Read an outbox buffer that is on disk back into host memory, for its round.
@@ -284,7 +296,7 @@ class DeviceRun(Run):
                 if self._freed:
                     self._raise_if_failed()
                     raise ShuffleError(f"device shuffle op {self.op_id} was closed during its exchange")
-                nbytes = buffer.load(self.resource, self._disk)
+                nbytes = buffer.load(self.resource, self._disk, self._blocks)
         except SpillError as e:
             self.fail(e)
             raise
@@ -534,14 +546,102 @@ class DeviceRun(Run):
             output.buffer.release()
             found = [((0, 0), PackedData(output.meta, output.buffer.data, output.nrows))]
         else:
-            found = self._pieces_of(partition_id, hits)
-            found.sort(key=lambda x: x[0])
+            hits.sort(key=lambda h: (h[0].input_index, h[0].src))
+            gathered = self._gather(partition_id, hits)
+            if gathered is not None:
+                found = [((0, 0), gathered)]
+            else:
+                found = self._pieces_of(partition_id, hits)
+                found.sort(key=lambda x: x[0])
         with self._lock:
             self.statistics["seconds_wait"] += t1 - t0
             self.statistics["seconds_extract"] += time.perf_counter() - t1
         if last:
             self.close()
         return [p for _, p in found]
+
+    def _gather(self, partition_id: int, hits: list[tuple[Incoming, int]]) -> PackedData | None:
+        """The partition's pieces gathered into one packed piece on the device, or ``None`` (pieces as they are).
+
+        See :mod:`mpshuffle.shuffler.device.gather`. Its device memory (the
+        staged buffer and the piece) is reserved as ``DEVICE`` while it runs,
+        so every spill decision meanwhile (a concurrent insert's) counts it;
+        the piece is handed over with the extract, as a consolidated one is.
+        It moves nothing down to make room for itself: the run's buffers are
+        freed only when it ends, so room made here would be taken from the
+        partitions extracted next (over the first few extracts every device
+        buffer would move down, and with a disk tier push host buffers to
+        disk). So the device holds at most its budget plus one gather per
+        extract running. ``None`` where the pieces' metadata differ (the
+        adapter casts them) or the device had no room (``MemoryError``).
+
+        Raises
+        ------
+        ShuffleError
+            If the run was freed meanwhile, or (a :class:`SpillError`) the
+            spill file cannot be read; the run is failed then.
+        """
+        if not hits or any(inc.meta != hits[0][0].meta for inc, _ in hits):
+            return None
+        meta = hits[0][0].meta
+        t0 = time.perf_counter()
+        with self._spill_lock:
+            if self._freed:
+                self._raise_if_failed()
+                raise ShuffleError(f"device shuffle op {self.op_id} was closed during an extract")
+            located, disk_res = self._locate(hits)
+        staged_bytes, out_bytes = device_bytes(located, meta)
+        gpu = self.state is not None or any(
+            p.device is not None and not isinstance(p.device, np.ndarray) for p in located
+        )
+        xp = buffers.cupy_module() if gpu else np
+        staged_res = self.resource.reserve(MemoryType.DEVICE, staged_bytes)
+        out_res = self.resource.reserve(MemoryType.DEVICE, out_bytes)
+        seconds = self._disk.seconds_read
+        try:
+            with self.scope():
+                data, nrows = gather(
+                    located, meta, xp=xp, stage_bytes=STAGE_BYTES,
+                    read=lambda ranges: self._disk.read(ranges, self._blocks.stage_array),
+                )
+        except MemoryError:
+            logger.info("mpshuffle: op %d: no device memory to gather partition %d; extract takes the pieces",
+                        self.op_id, partition_id)
+            return None
+        except SpillError as e:
+            self.fail(e)
+            raise
+        finally:
+            staged_res.release()
+            out_res.release()
+        unspilled = 0
+        for res in disk_res:
+            unspilled += res.nbytes
+            res.release()
+        with self._lock:
+            self.statistics["bytes_unspilled_disk"] += unspilled
+            self.statistics["seconds_unspill_disk"] += self._disk.seconds_read - seconds
+            self.statistics["bytes_gathered"] += int(data.nbytes)
+            self.statistics["seconds_gather"] += time.perf_counter() - t0
+        return PackedData(meta, data, nrows)
+
+    @staticmethod
+    def _locate(hits: list[tuple[Incoming, int]]) -> tuple[list[Located], list[Any]]:
+        """Where each piece of ``hits`` lies now (under the spill lock), and the ``DISK`` reservations of those on disk."""
+        located: list[Located] = []
+        disk_res: list[Any] = []
+        for inc, i in hits:
+            _, off, nbytes, nrows = inc.pieces[i]
+            b = inc.buffer
+            if b.disk is not None:
+                foff, _, res = b.disk[i]
+                located.append(Located(nbytes, nrows, file_offset=foff))
+                disk_res.append(res)
+            elif b.on_device:
+                located.append(Located(nbytes, nrows, device=b.data, offset=off))
+            else:
+                located.append(Located(nbytes, nrows, host=b.data, offset=off))
+        return located, disk_res
 
     def _pieces_of(
         self, partition_id: int, hits: list[tuple[Incoming, int]]
