@@ -308,13 +308,13 @@ def _exchange(
     for index, local in enumerate(np.ndindex(*(len(g.olds) for g in group))):
         old = tuple(g.olds[i] for g, i in zip(group, local, strict=True))
         key = (spec.insert_name, *old)
-        adapter = NDArrayAdapter(x.dtype, plan, local)
+        adapter = NDArrayAdapter(x.dtype, plan, local, views=True)
         layer[key] = _Pinned(key, insert, TaskRef((x.name, *old)), index, spec, adapter)
         refs.append(TaskRef(key))
     layer[spec.barrier_name] = _Pinned(spec.barrier_name, barrier, spec, *refs)
-    out = NDArrayAdapter(x.dtype)
     for pid in range(plan.npartitions):
         key = (spec.extract_name, pid)
+        out = NDArrayAdapter(x.dtype, plan, partition=pid)
         layer[key] = _Pinned(key, extract, TaskRef(spec.barrier_name), pid, spec, out)
     for b, local in enumerate(np.ndindex(*nout)):
         key = (name, *(g.news.start + i for g, i in zip(group, local, strict=True)))
