@@ -229,6 +229,7 @@ class NDArrayAdapter(FrameAdapter):
         self.block = None if block is None else tuple(int(i) for i in block)
         self.partition = partition
         self.views = views
+        self._grids: dict[tuple[int, int], Any] = {}  # see _regular_grid
 
     def matches(self, obj: object) -> bool:
         """Whether ``obj`` is a plain NumPy array (not a subclass such as a masked array)."""
@@ -457,23 +458,22 @@ class NDArrayAdapter(FrameAdapter):
         shape = tuple(n for _, n in axes)
         if any(not 0 <= w < len(c) for w, c in zip(where, plan.cuts, strict=True)):
             raise ShuffleError(f"a rechunk view piece names input block {where}, outside the plan")
-        grid = _regular_grid(plan, where)
+        grid = _regular_grid(plan, where, self._grids)
         if grid is None:
             raise ShuffleError(f"a rechunk view piece of input block {where}, whose cuts are not a regular grid")
-        rows, elem = _grid_rows(plan, grid, shape)
-        part = rows[:, 0] // plan.per_partition
+        part = _grid_blocks(grid) // plan.per_partition
         lo, hi = (int(i) for i in np.searchsorted(part, [partition, partition + 1]))
+        rows, elem = _grid_rows(grid, shape, lo, hi)
         itemsize = self.dtype.itemsize
         strides = _c_strides(shape)
         lengths = [g[1] for g in grid]
         reach = sum((n - 1) * st for n, st in zip(lengths, strides, strict=True)) + 1
-        if hi <= lo or (int(elem[hi - 1]) + reach - int(elem[lo])) * itemsize != memoryview(data).nbytes:
+        if hi <= lo or (int(elem[-1]) + reach - int(elem[0])) * itemsize != memoryview(data).nbytes:
             raise ShuffleError(
                 f"a rechunk view piece of input block {where} does not hold the cuts of output partition "
                 f"{partition} ({memoryview(data).nbytes} bytes)"
             )
-        rows = rows[lo:hi]
-        rows[:, 1] = (elem[lo:hi] - elem[lo]) * itemsize
+        rows[:, 1] = (elem - elem[0]) * itemsize
         return _ViewCuts(rows, [st * itemsize for st in strides], [len(g[2]) for g in grid], lo, hi)
 
     def empty_like(self, meta: Any) -> Any:
@@ -625,11 +625,15 @@ def _pack(
 _Grid = list[tuple[int, int, "npt.NDArray[np.int64]", "npt.NDArray[np.int64]"]]
 
 
-def _regular_grid(plan: BlockPlan, where: tuple[int, ...]) -> _Grid | None:
+def _regular_grid(
+    plan: BlockPlan, where: tuple[int, ...], cache: dict[tuple[int, int], Any] | None = None
+) -> _Grid | None:
     """The block's cuts as a regular grid (equal lengths per axis, back to back), or ``None``.
 
     Time-to-space and its reverse cut every block so: then one strided copy
     moves all the cuts of the block into cut order, instead of one copy per cut.
+    ``cache`` keeps each axis's part by ``(axis, block index)`` (an extract
+    reads the grids of many input blocks that share all axes but one).
     """
     grid: _Grid = []
     stride = 1
@@ -639,45 +643,58 @@ def _regular_grid(plan: BlockPlan, where: tuple[int, ...]) -> _Grid | None:
         stride *= plan.nout[axis]
     strides.reverse()
     for axis, i in enumerate(where):
-        cuts = plan.cuts[axis][i]
-        first, length = cuts[0][1], cuts[0][2] - cuts[0][1]
-        if length <= 0 or any(b < 0 or a != first + k * length or b - a != length
-                              for k, (_, a, b, _) in enumerate(cuts)):
+        entry: Any = cache.get((axis, i), False) if cache is not None else False
+        if entry is False:
+            cuts = plan.cuts[axis][i]
+            first, length = cuts[0][1], cuts[0][2] - cuts[0][1]
+            if length <= 0 or any(b < 0 or a != first + k * length or b - a != length
+                                  for k, (_, a, b, _) in enumerate(cuts)):
+                entry = None
+            else:
+                entry = (
+                    first, length,
+                    np.array([j * strides[axis] for j, _, _, _ in cuts], np.int64),
+                    np.array([o for _, _, _, o in cuts], np.int64),
+                )
+            if cache is not None:
+                cache[axis, i] = entry
+        if entry is None:
             return None
-        grid.append((
-            first, length,
-            np.array([j * strides[axis] for j, _, _, _ in cuts], np.int64),
-            np.array([o for _, _, _, o in cuts], np.int64),
-        ))
+        grid.append(entry)
     return grid
 
 
-def _grid_rows(plan: BlockPlan, grid: _Grid, shape: Sequence[int]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The offset index of a grid's cuts, in cut order, and each cut's first element in the block.
+def _grid_blocks(grid: _Grid) -> npt.NDArray[np.int64]:
+    """The output block (C-order index in the group) of every cut of a grid, in cut order (increasing)."""
+    block = np.zeros(1, np.int64)
+    for g in grid:
+        block = (block[:, None] + g[2][None, :]).ravel()
+    return block
 
-    Column 1 of the index (the byte offset) is the cut's number times its
-    bytes, as if the cuts lay back to back from 0; the first element is the
-    flat (C-order) position in a C-contiguous block of ``shape``, increasing
-    with the cut number.
+
+def _grid_rows(
+    grid: _Grid, shape: Sequence[int], lo: int = 0, hi: int | None = None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The offset index of a grid's cuts ``lo:hi`` (C order of the grid) and each one's first element in the block.
+
+    Column 1 of the index (the byte offset) is the cut's number; the first
+    element is the flat (C-order) position in a C-contiguous block of
+    ``shape``, increasing with the cut number.
     """
     ndim = len(grid)
-    lengths = [g[1] for g in grid]
-    mesh = np.meshgrid(*[g[2] for g in grid], indexing="ij")
-    block: npt.NDArray[np.int64] = np.sum([m.ravel() for m in mesh], axis=0, dtype=np.int64)
-    offsets = np.meshgrid(*[g[3] for g in grid], indexing="ij")
-    strides = _c_strides(shape)
-    starts = np.meshgrid(
-        *[(g[0] + np.arange(len(g[2]), dtype=np.int64) * g[1]) * st for g, st in zip(grid, strides, strict=True)],
-        indexing="ij",
-    )
-    elem: npt.NDArray[np.int64] = np.sum([m.ravel() for m in starts], axis=0, dtype=np.int64)
-    ncuts = len(block)
-    rows = np.empty((ncuts, 2 + 2 * ndim), dtype="<i8")
-    rows[:, 0] = block
-    rows[:, 1] = np.arange(ncuts, dtype=np.int64)
-    for a in range(ndim):
-        rows[:, 2 + a] = offsets[a].ravel()
-        rows[:, 2 + ndim + a] = lengths[a]
+    counts = [len(g[2]) for g in grid]
+    hi = math.prod(counts) if hi is None else hi
+    number = np.arange(lo, hi, dtype=np.int64)
+    index = np.unravel_index(number, counts)
+    rows = np.empty((hi - lo, 2 + 2 * ndim), dtype="<i8")
+    rows[:, 0] = 0
+    rows[:, 1] = number
+    elem = np.zeros(hi - lo, np.int64)
+    for a, (g, st, i) in enumerate(zip(grid, _c_strides(shape), index, strict=True)):
+        rows[:, 0] += g[2][i]
+        elem += (g[0] + i * g[1]) * st
+        rows[:, 2 + a] = g[3][i]
+        rows[:, 2 + ndim + a] = g[1]
     return rows, elem
 
 
@@ -750,7 +767,7 @@ def _pack_grid(
     view = split.transpose([*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)])
     elements = math.prod(lengths)
     cut_bytes = elements * frame.dtype.itemsize
-    rows, elem = _grid_rows(plan, grid, frame.shape)
+    rows, elem = _grid_rows(grid, frame.shape)
     rows[:, 1] *= cut_bytes
     ncuts = len(rows)
     part = rows[:, 0] // plan.per_partition
