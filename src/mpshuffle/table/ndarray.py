@@ -43,6 +43,20 @@ authenticates. An insert's pieces lie in two buffers from the worker's
 :class:`~mpshuffle.memory.pool.HostPool`: one for the pieces its rank
 keeps (held, as the run holds their chunk, until the last of them is
 extracted) and one for the pieces it sends (reused once sent).
+
+Pieces kept as views (:data:`VIEW`): an insert whose adapter allows it
+(``views=True``, the rechunk graph's) keeps the pieces of its own rank's
+partitions uncopied where the block's cuts form a regular grid and the
+block is C-contiguous: each piece's ``data`` is the byte range of the input
+block from its first cut's first byte to its last cut's last byte, its
+metadata the head, the block's position in the group and its shape (the
+same for every piece of the block). The extract's adapter, which carries
+the plan and its partition, works the cuts out again and copies them
+straight from that range into the output blocks: one copy per byte and no
+fresh memory for the kept half. Spilled and read back, the range is the same
+bytes. Only where the ranges are tight (:data:`VIEW_MAX_SLACK`,
+:data:`VIEW_MIN_SHARE`): the run's budget counts every range, and the views
+keep the whole block alive.
 """
 
 from __future__ import annotations
