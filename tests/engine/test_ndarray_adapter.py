@@ -271,3 +271,77 @@ def test_pieces_share_their_metadata_and_carry_the_index_in_their_data(dtype: An
     for b in range(9):
         j1, j2 = divmod(b, 3)
         np.testing.assert_array_equal(got[b], full[:, 2 * j1 : 2 * j1 + 2, 2 * j2 : 2 * j2 + 2])
+
+
+def _grid_plan(steps: int, side: int, cut: int, per_partition: int) -> BlockPlan:
+    """Blocks (1, side, side) of a (steps, side, side) array to blocks (steps, cut, cut)."""
+    n = side // cut
+    axis = (tuple((j, j * cut, (j + 1) * cut, 0) for j in range(n)),)
+    return BlockPlan(cuts=(tuple(((0, 0, 1, t),) for t in range(steps)), axis, axis), nout=(1, n, n),
+                     per_partition=per_partition)
+
+
+@pytest.mark.parametrize(("nranks", "per_partition", "dtype"), [(2, 16, np.float32), (1, 16, np.int16),
+                                                               (2, 12, np.dtype([("a", "<i4"), ("b", ">f8")]))])
+def test_kept_pieces_are_views_of_the_input_block(nranks: int, per_partition: int, dtype: Any) -> None:
+    """With views, a rank's own pieces are byte ranges of the block (no copy), assembled from any order, spilled or not."""
+    from mpshuffle.table.ndarray import RAW, VIEW
+
+    steps, side, cut = 4, 40, 5
+    full = np.arange(steps * side * side).reshape(steps, side, side).astype(dtype)
+    plan = _grid_plan(steps, side, cut, per_partition)
+    by_pid: dict[int, list] = {}
+    for rank in range(nranks):
+        for t in range(steps):
+            block = full[t : t + 1].copy()
+            pieces = NDArrayAdapter(full.dtype, plan, (t, 0, 0), views=True).split_for(
+                block, (), plan.npartitions, rank=rank, nranks=nranks
+            )
+            mine = {pid: p for pid, p in pieces.items() if pid % nranks == rank}
+            assert {p.metadata[0] for p in mine.values()} == {VIEW}
+            assert {p.metadata[0] for pid, p in pieces.items() if pid not in mine} <= {RAW}
+            lo, hi = block.ctypes.data, block.ctypes.data + block.nbytes
+            for piece in mine.values():
+                assert lo <= piece.data.address and piece.data.address + piece.data.size <= hi
+                # One metadata per input block, whatever the partition.
+                assert piece.metadata == next(iter(mine.values())).metadata
+            for pid, piece in mine.items():
+                # Every other piece as if spilled and read back: a copy of its bytes.
+                data = piece.data if pid % 2 else bytes(piece.data)
+                by_pid.setdefault(pid, []).append(type(piece)(piece.metadata, data, piece.nrows))
+    assert sorted(by_pid) == list(range(plan.npartitions))
+    for pid, pieces in by_pid.items():
+        got = NDArrayAdapter(full.dtype, plan, partition=pid).unpack(pieces[::-1], None)
+        assert sorted(got) == list(plan.blocks_of(pid))
+        for b, arr in got.items():
+            j1, j2 = divmod(b, side // cut)
+            np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
+
+
+def test_views_only_where_their_byte_ranges_are_tight() -> None:
+    """Kept pieces are copied where views would hold far more bytes than their cuts, or little of the block."""
+    from mpshuffle.table.ndarray import VIEW
+
+    full = np.arange(4 * 40 * 40, dtype=np.float32).reshape(4, 40, 40)
+    for nranks, per_partition in ((2, 2), (4, 16)):  # ranges of 2 cuts span whole rows; a quarter of the block
+        plan = _grid_plan(4, 40, 5, per_partition)
+        pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
+            full[0:1], (), plan.npartitions, rank=0, nranks=nranks
+        )
+        assert all(p.metadata[0] != VIEW for p in pieces.values())
+    pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
+        np.asfortranarray(full[0:1]), (), plan.npartitions, rank=0, nranks=1
+    )
+    assert all(p.metadata[0] != VIEW for p in pieces.values())  # only a C-contiguous block
+
+
+def test_view_pieces_need_the_plan_and_their_partition() -> None:
+    full = np.arange(4 * 40 * 40, dtype=np.float32).reshape(4, 40, 40)
+    plan = _grid_plan(4, 40, 5, 30)  # partitions of 30, 30 and 4 blocks
+    pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
+        full[0:1].copy(), (), plan.npartitions, rank=0, nranks=1
+    )
+    with pytest.raises(ShuffleError, match="needs the block plan and the output partition"):
+        NDArrayAdapter(full.dtype).unpack([pieces[0]], None)
+    with pytest.raises(ShuffleError, match="does not hold the cuts of output partition 2"):
+        NDArrayAdapter(full.dtype, plan, partition=2).unpack([pieces[0]], None)

@@ -38,9 +38,11 @@ input block's insert task cuts it into one cut per output block it
 overlaps and sends, per output *partition* (:func:`partition_bytes` of
 consecutive output blocks: 64 MiB, less on workers with a small host
 budget), one piece holding its cuts for that partition's
-blocks to the partition's owner; each partition's extract task assembles
-its blocks once, and each output block is a task that takes its block from
-its partition's result. All keys start with ``mpshuffle-rechunk``; the
+blocks to the partition's owner (the pieces its own rank keeps stay
+views of the input block where the cuts allow, see
+:mod:`mpshuffle.table.ndarray`); each partition's extract task (its adapter
+carries the plan and the partition) assembles its blocks once, and each
+output block is a task that takes its block from its partition's result. All keys start with ``mpshuffle-rechunk``; the
 output blocks' keys are the array's ``(name, i, j, ...)``. The run's tasks
 are never fused with their neighbours by Dask's low-level optimization
 (the scheduler plugin pins the extract tasks by their keys).
@@ -308,13 +310,13 @@ def _exchange(
     for index, local in enumerate(np.ndindex(*(len(g.olds) for g in group))):
         old = tuple(g.olds[i] for g, i in zip(group, local, strict=True))
         key = (spec.insert_name, *old)
-        adapter = NDArrayAdapter(x.dtype, plan, local)
+        adapter = NDArrayAdapter(x.dtype, plan, local, views=True)
         layer[key] = _Pinned(key, insert, TaskRef((x.name, *old)), index, spec, adapter)
         refs.append(TaskRef(key))
     layer[spec.barrier_name] = _Pinned(spec.barrier_name, barrier, spec, *refs)
-    out = NDArrayAdapter(x.dtype)
     for pid in range(plan.npartitions):
         key = (spec.extract_name, pid)
+        out = NDArrayAdapter(x.dtype, plan, partition=pid)
         layer[key] = _Pinned(key, extract, TaskRef(spec.barrier_name), pid, spec, out)
     for b, local in enumerate(np.ndindex(*nout)):
         key = (name, *(g.news.start + i for g, i in zip(group, local, strict=True)))

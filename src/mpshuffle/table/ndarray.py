@@ -43,6 +43,20 @@ authenticates. An insert's pieces lie in two buffers from the worker's
 :class:`~mpshuffle.memory.pool.HostPool`: one for the pieces its rank
 keeps (held, as the run holds their chunk, until the last of them is
 extracted) and one for the pieces it sends (reused once sent).
+
+Pieces kept as views (:data:`VIEW`): an insert whose adapter allows it
+(``views=True``, the rechunk graph's) keeps the pieces of its own rank's
+partitions uncopied where the block's cuts form a regular grid and the
+block is C-contiguous: each piece's ``data`` is the byte range of the input
+block from its first cut's first byte to its last cut's last byte, its
+metadata the head, the block's position in the group and its shape (the
+same for every piece of the block). The extract's adapter, which carries
+the plan and its partition, works the cuts out again and copies them
+straight from that range into the output blocks: one copy per byte and no
+fresh memory for the kept half. Spilled and read back, the range is the same
+bytes. Only where the ranges are tight (:data:`VIEW_MAX_SLACK`,
+:data:`VIEW_MIN_SHARE`): the run's budget counts every range, and the views
+keep the whole block alive.
 """
 
 from __future__ import annotations
@@ -68,15 +82,20 @@ if TYPE_CHECKING:
 
     from mpshuffle.memory.pool import HostPool
 
-__all__ = ["PICKLED", "RAW", "BlockPlan", "NDArrayAdapter"]
+__all__ = ["PICKLED", "RAW", "VIEW", "BlockPlan", "NDArrayAdapter"]
 
 #: Format byte of a piece whose data are its elements, raw.
 RAW = 0
 #: Format byte of a piece whose data are the pickle of the piece (object dtypes).
 PICKLED = 1
+#: Format byte of a piece kept on its input block's rank: its data are a byte
+#: range of the input block itself (no copy), its cuts found from the plan.
+VIEW = 2
 _ALIGN = 64  # each piece's buffer (the pool's alignment)
 _CUT_ALIGN = 16  # each cut inside a piece
 _HEAD = struct.Struct("<BBq")
+#: A view piece's metadata after its head, per axis: the input block's position in the group, its extent.
+_VIEW_AXIS = struct.Struct("<qq")
 
 #: Per axis and input block: ``(output block, start, stop, offset)``, where
 #: ``start:stop`` is the piece's range in the input block (``stop`` -1: to the
@@ -199,6 +218,13 @@ class NDArrayAdapter(FrameAdapter):
         The group's :class:`BlockPlan`; needed to cut (:meth:`split_for`).
     block
         Position in the group of the block this adapter cuts.
+    partition
+        The output partition this adapter assembles (:meth:`unpack`); with
+        ``plan``, needed for pieces kept as views (:data:`VIEW`).
+    views
+        Whether :meth:`split_for` may keep this rank's pieces as views of the
+        input block (:data:`VIEW`) instead of copies; only for a run whose
+        extracts unpack with the plan and their partition.
 
     Notes
     -----
@@ -208,10 +234,16 @@ class NDArrayAdapter(FrameAdapter):
 
     name: ClassVar[str] = "numpy-block"
 
-    def __init__(self, dtype: Any, plan: BlockPlan | None = None, block: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, dtype: Any, plan: BlockPlan | None = None, block: Sequence[int] | None = None, *,
+        partition: int | None = None, views: bool = False,
+    ) -> None:
         self.dtype = np.dtype(dtype)
         self.plan = plan
         self.block = None if block is None else tuple(int(i) for i in block)
+        self.partition = partition
+        self.views = views
+        self._grids: dict[tuple[int, int], Any] = {}  # see _regular_grid
 
     def matches(self, obj: object) -> bool:
         """Whether ``obj`` is a plain NumPy array (not a subclass such as a masked array)."""
@@ -310,7 +342,8 @@ class NDArrayAdapter(FrameAdapter):
         if not self.dtype.hasobject and self.dtype.itemsize:
             grid = _regular_grid(plan, where)
             if grid is not None:
-                return _pack_grid(frame, plan, grid, rank, nranks, pool)
+                view_of = where if self.views and frame.size and frame.flags.c_contiguous else None
+                return _pack_grid(frame, plan, grid, rank, nranks, pool, view_of)
         # Cuts by partition, in order of output block.
         by_partition: dict[int, list[tuple[int, Any, tuple[int, ...]]]] = {}
         per = plan.per_partition
@@ -353,7 +386,14 @@ class NDArrayAdapter(FrameAdapter):
         """
         if not pieces:
             raise ShuffleError("an output partition of a rechunk received no pieces")
-        read = [_read_index(piece.metadata, piece.data) for piece in pieces]
+        read = []
+        views: dict[int, _ViewCuts] = {}
+        for k, piece in enumerate(pieces):
+            if piece.metadata[:1] == bytes([VIEW]):
+                views[k] = self._view_cuts(piece.metadata, piece.data)
+                read.append((VIEW, len(views[k].strides), views[k].rows))
+            else:
+                read.append(_read_index(piece.metadata, piece.data))
         ndims = {ndim for _, ndim, _ in read}
         if len(ndims) != 1:
             raise ShuffleError(f"rechunk pieces of {sorted(ndims)} dimensions in one output partition")
@@ -379,9 +419,12 @@ class NDArrayAdapter(FrameAdapter):
                 for b, e in zip(blocks.tolist(), extents.tolist(), strict=True)
             }
         at = 0
-        for piece, (fmt, _, rows) in zip(pieces, read, strict=True):
+        for k, (piece, (fmt, _, rows)) in enumerate(zip(pieces, read, strict=True)):
             mine = where[at : at + len(rows)]
             at += len(rows)
+            if fmt == VIEW:
+                _place_view(piece.data, views[k], self.dtype, mine, stacked, out)
+                continue
             if stacked is not None and fmt == RAW and raw and len(rows) > 1 and _one_place(rows, self.dtype.itemsize):
                 shape = rows[0, 2 + ndim :].tolist()
                 n = math.prod(shape)
@@ -413,9 +456,101 @@ class NDArrayAdapter(FrameAdapter):
             )
         return out
 
+    def _view_cuts(self, metadata: bytes, data: Any) -> _ViewCuts:
+        """Where the cuts of a :data:`VIEW` piece lie in its data (the plan's cuts of the partition)."""
+        plan, partition = self.plan, self.partition
+        if plan is None or partition is None:
+            raise ShuffleError(
+                "a rechunk piece kept as a view of its input block needs the block plan and the output "
+                "partition to be assembled; this numpy-block adapter has neither"
+            )
+        ndim = _HEAD.unpack_from(metadata)[1] if len(metadata) >= _HEAD.size else -1
+        if ndim != len(plan.cuts) or len(metadata) != _HEAD.size + ndim * _VIEW_AXIS.size:
+            raise ShuffleError(f"a rechunk view piece has a malformed header of {len(metadata)} bytes")
+        axes = [_VIEW_AXIS.unpack_from(metadata, _HEAD.size + a * _VIEW_AXIS.size) for a in range(ndim)]
+        where = tuple(w for w, _ in axes)
+        shape = tuple(n for _, n in axes)
+        if any(not 0 <= w < len(c) for w, c in zip(where, plan.cuts, strict=True)):
+            raise ShuffleError(f"a rechunk view piece names input block {where}, outside the plan")
+        grid = _regular_grid(plan, where, self._grids)
+        if grid is None:
+            raise ShuffleError(f"a rechunk view piece of input block {where}, whose cuts are not a regular grid")
+        part = _grid_blocks(grid) // plan.per_partition
+        lo, hi = (int(i) for i in np.searchsorted(part, [partition, partition + 1]))
+        rows, elem = _grid_rows(grid, shape, lo, hi)
+        itemsize = self.dtype.itemsize
+        strides = _c_strides(shape)
+        lengths = [g[1] for g in grid]
+        reach = sum((n - 1) * st for n, st in zip(lengths, strides, strict=True)) + 1
+        if hi <= lo or (int(elem[-1]) + reach - int(elem[0])) * itemsize != memoryview(data).nbytes:
+            raise ShuffleError(
+                f"a rechunk view piece of input block {where} does not hold the cuts of output partition "
+                f"{partition} ({memoryview(data).nbytes} bytes)"
+            )
+        rows[:, 1] = (elem - elem[0]) * itemsize
+        return _ViewCuts(rows, [st * itemsize for st in strides], [len(g[2]) for g in grid], lo, hi)
+
     def empty_like(self, meta: Any) -> Any:
         """An array with ``meta``'s shape and the adapter's dtype, uninitialized."""
         return np.empty(np.shape(meta), dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class _ViewCuts:
+    """The cuts a :data:`VIEW` piece holds: index rows (byte offsets from the piece's start), the block's byte strides, grid cut counts per axis and the cut range."""
+
+    rows: npt.NDArray[np.int64]
+    strides: list[int]
+    counts: list[int]
+    lo: int
+    hi: int
+
+
+def _place_view(
+    data: Any, cuts: _ViewCuts, dtype: np.dtype[Any], mine: npt.NDArray[np.intp],
+    stacked: npt.NDArray[Any] | None, out: dict[int, Any],
+) -> None:
+    """Copy the cuts of a :data:`VIEW` piece from its byte range of the input block into the output blocks.
+
+    Where the output blocks share one array, the cuts share their place, and
+    their blocks are consecutive there, one strided copy per segment of the
+    grid (:func:`_grid_segments`) moves them all; else one copy per cut.
+    """
+    rows, strides = cuts.rows, cuts.strides
+    ndim = len(strides)
+    lengths = rows[0, 2 + ndim :].tolist()
+    span = np.frombuffer(data, dtype=np.uint8)
+    itemsize = dtype.itemsize
+
+    def at(byte: int, shape: Sequence[int], steps: Sequence[int]) -> Any:
+        # A strided view of the span from ``byte`` on (inside the span: the index says so).
+        return np.lib.stride_tricks.as_strided(
+            span[byte:].view(dtype) if itemsize else span[byte:], shape=tuple(shape), strides=tuple(steps),
+            writeable=False,
+        )
+
+    place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), lengths, strict=True))
+    if (
+        stacked is not None and (rows[:, 2:] == rows[0, 2:]).all()
+        and bool((np.diff(mine) == 1).all())
+    ):
+        done = 0
+        for seg in _grid_segments(cuts.counts, cuts.lo, cuts.hi):
+            m = len(seg) - 1
+            first, last = seg[-1].start, seg[-1].stop
+            inner = cuts.counts[m + 1 :]
+            n = (last - first) * math.prod(inner)
+            shape = (last - first, *inner, *lengths)
+            steps = (*(lengths[a] * strides[a] for a in range(m, ndim)), *strides)
+            src = at(int(rows[done, 1]), shape, steps)
+            k = int(mine[done])
+            dest = np.reshape(stacked[k : k + n][(slice(None), *place)], shape, copy=False)
+            np.copyto(dest, src, casting="no")
+            done += n
+        return
+    for row in rows.tolist():
+        offsets, extents = row[2 : 2 + ndim], row[2 + ndim :]
+        out[row[0]][tuple(slice(o, o + e) for o, e in zip(offsets, extents, strict=True))] = at(row[1], extents, strides)
 
 
 def _one_place(rows: npt.NDArray[np.int64], itemsize: int) -> bool:
@@ -504,11 +639,15 @@ def _pack(
 _Grid = list[tuple[int, int, "npt.NDArray[np.int64]", "npt.NDArray[np.int64]"]]
 
 
-def _regular_grid(plan: BlockPlan, where: tuple[int, ...]) -> _Grid | None:
+def _regular_grid(
+    plan: BlockPlan, where: tuple[int, ...], cache: dict[tuple[int, int], Any] | None = None
+) -> _Grid | None:
     """The block's cuts as a regular grid (equal lengths per axis, back to back), or ``None``.
 
     Time-to-space and its reverse cut every block so: then one strided copy
     moves all the cuts of the block into cut order, instead of one copy per cut.
+    ``cache`` keeps each axis's part by ``(axis, block index)`` (an extract
+    reads the grids of many input blocks that share all axes but one).
     """
     grid: _Grid = []
     stride = 1
@@ -518,21 +657,96 @@ def _regular_grid(plan: BlockPlan, where: tuple[int, ...]) -> _Grid | None:
         stride *= plan.nout[axis]
     strides.reverse()
     for axis, i in enumerate(where):
-        cuts = plan.cuts[axis][i]
-        first, length = cuts[0][1], cuts[0][2] - cuts[0][1]
-        if length <= 0 or any(b < 0 or a != first + k * length or b - a != length
-                              for k, (_, a, b, _) in enumerate(cuts)):
+        entry: Any = cache.get((axis, i), False) if cache is not None else False
+        if entry is False:
+            cuts = plan.cuts[axis][i]
+            first, length = cuts[0][1], cuts[0][2] - cuts[0][1]
+            if length <= 0 or any(b < 0 or a != first + k * length or b - a != length
+                                  for k, (_, a, b, _) in enumerate(cuts)):
+                entry = None
+            else:
+                entry = (
+                    first, length,
+                    np.array([j * strides[axis] for j, _, _, _ in cuts], np.int64),
+                    np.array([o for _, _, _, o in cuts], np.int64),
+                )
+            if cache is not None:
+                cache[axis, i] = entry
+        if entry is None:
             return None
-        grid.append((
-            first, length,
-            np.array([j * strides[axis] for j, _, _, _ in cuts], np.int64),
-            np.array([o for _, _, _, o in cuts], np.int64),
-        ))
+        grid.append(entry)
     return grid
 
 
+def _grid_blocks(grid: _Grid) -> npt.NDArray[np.int64]:
+    """The output block (C-order index in the group) of every cut of a grid, in cut order (increasing)."""
+    block = np.zeros(1, np.int64)
+    for g in grid:
+        block = (block[:, None] + g[2][None, :]).ravel()
+    return block
+
+
+def _grid_rows(
+    grid: _Grid, shape: Sequence[int], lo: int = 0, hi: int | None = None
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The offset index of a grid's cuts ``lo:hi`` (C order of the grid) and each one's first element in the block.
+
+    Column 1 of the index (the byte offset) is the cut's number; the first
+    element is the flat (C-order) position in a C-contiguous block of
+    ``shape``, increasing with the cut number.
+    """
+    ndim = len(grid)
+    counts = [len(g[2]) for g in grid]
+    hi = math.prod(counts) if hi is None else hi
+    number = np.arange(lo, hi, dtype=np.int64)
+    index = np.unravel_index(number, counts)
+    rows = np.empty((hi - lo, 2 + 2 * ndim), dtype="<i8")
+    rows[:, 0] = 0
+    rows[:, 1] = number
+    elem = np.zeros(hi - lo, np.int64)
+    for a, (g, st, i) in enumerate(zip(grid, _c_strides(shape), index, strict=True)):
+        rows[:, 0] += g[2][i]
+        elem += (g[0] + i * g[1]) * st
+        rows[:, 2 + a] = g[3][i]
+        rows[:, 2 + ndim + a] = g[1]
+    return rows, elem
+
+
+def _c_strides(shape: Sequence[int]) -> list[int]:
+    """Strides in elements of a C-contiguous array of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(list(shape)):
+        strides.append(step)
+        step *= int(n)
+    return strides[::-1]
+
+
+def _partition_ranges(part: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """The ranges of equal values of the non-decreasing ``part`` (cuts by output partition)."""
+    bounds = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), len(part)]
+    return list(itertools.pairwise(bounds))
+
+
+def _view_metadata(where: Sequence[int], shape: Sequence[int], ncuts: int) -> bytes:
+    """A view piece's metadata: the head, then per axis the input block's position and extent."""
+    return _HEAD.pack(VIEW, len(shape), ncuts) + b"".join(
+        _VIEW_AXIS.pack(int(w), int(n)) for w, n in zip(where, shape, strict=True)
+    )
+
+
+#: Views of the input block stand in for copies of this rank's pieces only
+#: where the byte ranges they hold (each piece's cuts, first byte to last,
+#: counted against the run's budget) are at most this many times the bytes
+#: of the cuts (a copy's count) ...
+VIEW_MAX_SLACK = 2
+#: ... and at least this fraction of the block, whose memory they keep alive
+#: whole: the budget never misses more than half of what the views hold.
+VIEW_MIN_SHARE = 0.5
+
+
 def _pack_grid(
-    frame: Any, plan: BlockPlan, grid: _Grid, rank: int, nranks: int, pool: HostPool | None
+    frame: Any, plan: BlockPlan, grid: _Grid, rank: int, nranks: int, pool: HostPool | None,
+    view_of: tuple[int, ...] | None = None,
 ) -> dict[int, PackedData]:
     """Cut a block whose cuts form a regular grid straight into its pieces: one strided copy per byte.
 
@@ -546,6 +760,18 @@ def _pack_grid(
     200 partitions) 1.6-3.2x the bytes the run's budget counted. Every
     byte of the block is copied once, from the block into its piece, by a
     few strided copies per piece (:func:`_grid_segments`).
+
+    With ``view_of`` (the block's position in the group; the block is
+    C-contiguous and not empty), the pieces this rank keeps are not copied:
+    each is a :data:`VIEW` piece, the byte range of the block from its first
+    cut's first byte to its last cut's last byte, which :meth:`NDArrayAdapter.unpack`
+    places straight into the output blocks. Why: a copy of the kept half
+    costs a copy and a first touch of fresh memory per byte, and the run
+    held it beside the input block until its extract (the rechunk's peak).
+    Only where the ranges are tight (:data:`VIEW_MAX_SLACK`,
+    :data:`VIEW_MIN_SHARE`; otherwise the kept pieces are copied as before):
+    the ranges of partitions that interleave in the block overlap, and the
+    budget counts every range.
     """
     ndim = len(grid)
     counts = [len(g[2]) for g in grid]
@@ -553,25 +779,30 @@ def _pack_grid(
     region = frame[tuple(slice(g[0], g[0] + g[1] * n) for g, n in zip(grid, counts, strict=True))]
     split = region.reshape([v for n, length in zip(counts, lengths, strict=True) for v in (n, length)])
     view = split.transpose([*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)])
-    cut_bytes = math.prod(lengths) * frame.dtype.itemsize
-    # The offset index of every cut, in cut order.
-    mesh = np.meshgrid(*[g[2] for g in grid], indexing="ij")
-    block: npt.NDArray[np.int64] = np.sum([m.ravel() for m in mesh], axis=0, dtype=np.int64)
-    offsets = np.meshgrid(*[g[3] for g in grid], indexing="ij")
-    ncuts = len(block)
-    rows = np.empty((ncuts, 2 + 2 * ndim), dtype="<i8")
-    rows[:, 0] = block
-    rows[:, 1] = np.arange(ncuts, dtype=np.int64) * cut_bytes
-    for a in range(ndim):
-        rows[:, 2 + a] = offsets[a].ravel()
-        rows[:, 2 + ndim + a] = lengths[a]
+    elements = math.prod(lengths)
+    cut_bytes = elements * frame.dtype.itemsize
+    rows, elem = _grid_rows(grid, frame.shape)
+    rows[:, 1] *= cut_bytes
+    ncuts = len(rows)
     part = rows[:, 0] // plan.per_partition
-    bounds = [0, *(np.flatnonzero(np.diff(part)) + 1).tolist(), ncuts]
-    ranges = list(itertools.pairwise(bounds))
-    kept = [nranks > 1 and partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
+    ranges = _partition_ranges(part)
+    local = [partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
+    spans: dict[int, tuple[int, int]] = {}
+    if view_of is not None:
+        reach = sum((length - 1) * st for length, st in zip(lengths, _c_strides(frame.shape), strict=True)) + 1
+        spans = {
+            lo: (int(elem[lo]) * frame.dtype.itemsize, (int(elem[hi - 1]) + reach) * frame.dtype.itemsize)
+            for (lo, hi), mine in zip(ranges, local, strict=True) if mine
+        }
+        held = sum(b - a for a, b in spans.values())
+        kept_bytes = sum(hi - lo for (lo, hi), mine in zip(ranges, local, strict=True) if mine) * cut_bytes
+        if not (held and held <= VIEW_MAX_SLACK * kept_bytes and held >= VIEW_MIN_SHARE * frame.nbytes):
+            spans = {}
+    # Pieces kept apart from those sent: only where more than one rank takes part (see above).
+    kept = [mine and (nranks > 1 or bool(spans)) for mine in local]
     row_bytes = _index_bytes(ndim, 1)
     away = sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k) * (cut_bytes + row_bytes)
-    home = ncuts * (cut_bytes + row_bytes) - away
+    home = 0 if spans else ncuts * (cut_bytes + row_bytes) - away
 
     def fresh(nbytes: int) -> tuple[pa.Buffer | None, Any]:
         if not nbytes:
@@ -582,9 +813,16 @@ def _pack_grid(
     # Index 0: the pieces sent away; 1: the pieces kept. Each filled from its start.
     buffers = [fresh(away), fresh(home)]
     at = [0, 0]
-    elements = math.prod(lengths)
     pieces = {}
+    metadata = b""
+    if spans:
+        whole = pa.py_buffer(frame)
+        metadata = _view_metadata(view_of or (), frame.shape, 0)
     for (lo, hi), keep in zip(ranges, kept, strict=True):
+        if keep and spans:
+            a, b = spans[lo]
+            pieces[int(part[lo])] = PackedData(metadata, whole.slice(a, b - a), (hi - lo) * elements)
+            continue
         head = (hi - lo) * row_bytes
         nbytes = (hi - lo) * cut_bytes
         index = rows[lo:hi].copy()
