@@ -67,7 +67,10 @@ def worker_state(dask_worker) -> dict:  # type: ignore[no-untyped-def]
     return {
         "shufflers": sorted(ctx.shufflers) if ctx is not None else [],
         "spill": spill,
-        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("mpshuffle")),
+        # The kernels' preload thread is left out: it ends once they are loaded, and a
+        # client's connect starts it (mpshuffle.dask.client_preload), not a run.
+        "threads": sorted(t.name for t in threading.enumerate()
+                          if t.name.startswith("mpshuffle") and t.name != "mpshuffle-preload"),
     }
 
 

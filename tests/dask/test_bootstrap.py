@@ -55,10 +55,16 @@ def test_bootstrap_leaves_no_task_and_no_future(client: Client) -> None:
     assert state["runs"] == 0
     assert state["generations"] == [state["generation"]]
     assert not client.futures
-    threads = {w: s["threads"] for w, s in client.run(worker_state).items()}
-    assert all(t == [f"mpshuffle-progress-{state['generation']}-r{r}"] for r, t in enumerate(
-        threads[w] for w in sorted(threads)
-    ))
+
+    def only_progress_threads() -> bool:
+        # The kernels' preload thread (started as the client connected) ends
+        # once they are loaded; the progress thread of the generation stays.
+        threads = {w: s["threads"] for w, s in client.run(worker_state).items()}
+        return all(t == [f"mpshuffle-progress-{state['generation']}-r{r}"] for r, t in enumerate(
+            threads[w] for w in sorted(threads)
+        ))
+
+    wait_for(only_progress_threads, "each worker's mpshuffle threads to be its progress thread alone")
 
 
 def test_get_worker_context_outside_a_worker() -> None:
@@ -262,3 +268,22 @@ def test_a_starting_client_has_workers_load_the_kernels_before_any_shuffle() -> 
         state = client.run_on_scheduler(_scheduler_state)
         assert state == {"tasks": 0, "generation": None, "generations": [], "runs": 0}
         assert set(client.run(lambda dask_worker: dask_worker.plugins["mpshuffle"].context).values()) == {None}
+
+
+def test_the_client_preload_keeps_per_preload_arguments_in_step() -> None:
+    """A user's preload-argv as one list per preload: distributed refuses lists of other lengths."""
+    import dask
+
+    from mpshuffle.dask.client_preload import MODULE, install
+
+    for argv, expected in [
+        ([["--tag", "x"]], [["--tag", "x"], []]),  # one list per preload: one more for mpshuffle's
+        (["--tag", "x"], ["--tag", "x"]),  # flat: the same arguments for every preload
+        ([], []),
+    ]:
+        with dask.config.set({"distributed.client.preload": ["mine"], "distributed.client.preload-argv": argv}):
+            install()
+            assert dask.config.get("distributed.client.preload") == ["mine", MODULE]
+            assert dask.config.get("distributed.client.preload-argv") == expected
+            install()  # idempotent
+            assert dask.config.get("distributed.client.preload-argv") == expected

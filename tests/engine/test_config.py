@@ -239,6 +239,7 @@ def test_options_are_resolved_only_where_graphs_are_built() -> None:
     assert callers["resolve_options"] == {
         "config.py",  # set_options
         "dask/graph.py",  # shuffle_graph, when no options are passed: on the client
+        "dask/client_preload.py",  # preload_kernels, as a client starts: on the client
         # graph_options: shuffle, merge, sort_values, set_index, rechunk, and
         # Shuffle._lower of the config line (on the client; not _layer, on the scheduler)
         "dask/dataframe.py",

@@ -99,7 +99,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         self.current: str | None = None
         self.runs: dict[str, RunInfo] = {}
         self._bootstrap_lock: asyncio.Lock | None = None
-        self._preloading: asyncio.Future[None] | None = None
+        self._preloading: threading.Thread | None = None
 
     @property
     def context(self) -> WorkerContext | None:
@@ -158,7 +158,12 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         worker.handlers.pop("mpshuffle_bootstrap", None)
         contexts, self.contexts, self.current = list(self.contexts.values()), {}, None
         for ctx in contexts:
-            await asyncio.to_thread(ctx.close)
+            try:
+                await asyncio.to_thread(ctx.close)
+            except RuntimeError:
+                # The loop's executor is shut down already (an in-process
+                # cluster left open until the interpreter exits): close here.
+                ctx.close()
 
     # -- handlers (on the worker's event loop) ---------------------------
     async def bootstrap(self, spec: dict[str, Any]) -> dict[str, Any]:
@@ -245,9 +250,12 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     def _preload(self) -> None:
         # Not awaited: the bootstrap (and its timeout) does not wait for it.
         # Once per process (warm_up returns at once after the first time), on
-        # the loop's executor, which the plugin's other blocking calls use too.
+        # a daemon thread, not the loop's executor: a worker closed while it
+        # loads (a client that connected and left at once) exits at once
+        # instead of waiting seconds for the executor's thread.
         if self._preloading is None:
-            self._preloading = asyncio.get_running_loop().run_in_executor(None, _warm_up)
+            self._preloading = threading.Thread(target=_warm_up, name="mpshuffle-preload", daemon=True)
+            self._preloading.start()
 
     async def close_generation(self, generation: str) -> None:
         """Close generation ``generation`` on this worker (RPC handler); unknown ids are ignored."""
