@@ -246,6 +246,19 @@ def test_sparse_columns_travel_pickled_with_their_dtype(index: bool) -> None:
     assert all(len(p) == 1 for p in key_partitions(outputs, "si").values())
 
 
+def test_an_extension_dtype_that_does_not_hash_is_checked_not_cached() -> None:
+    from mpshuffle.table.pandas import _extension_round_trips
+
+    class Unhashable(pd.api.extensions.ExtensionDtype):
+        name = "unhashable"
+        type = object
+        __hash__ = None  # type: ignore[assignment]
+
+    assert _extension_round_trips(Unhashable()) is False  # no TypeError from the cache: pickled
+    assert _extension_round_trips(pd.SparseDtype("float64")) is False
+    assert _extension_round_trips(pd.Int64Dtype()) is True
+
+
 def test_meta_column_missing_from_data_is_a_clear_error() -> None:
     # Edge case 6.
     frame = pd.DataFrame({"k": [1, 2], "v": [1.0, 2.0]})

@@ -113,9 +113,24 @@ def _arrow_dtype_round_trips(frame: pd.DataFrame, position: int) -> bool:
     return True
 
 
-@lru_cache(maxsize=256)
 def _extension_round_trips(dtype: Any) -> bool:
     """Whether a column of pandas extension dtype ``dtype`` goes to Arrow and back.
+
+    Remembered per dtype; a dtype that does not hash is tried each time.
+    """
+    try:
+        return _extension_round_trips_cached(dtype)
+    except TypeError:  # a dtype that does not hash
+        return _extension_converts(dtype)
+
+
+@lru_cache(maxsize=256)
+def _extension_round_trips_cached(dtype: Any) -> bool:
+    return _extension_converts(dtype)
+
+
+def _extension_converts(dtype: Any) -> bool:
+    """Whether a zero-row column of extension dtype ``dtype`` goes to Arrow and back.
 
     Pandas' own extension dtypes with an Arrow form (nullable integers,
     ``boolean``, ``string``, ``category``, ``interval``, ``period``, tz-aware
@@ -123,7 +138,7 @@ def _extension_round_trips(dtype: Any) -> bool:
     ``string``, the extract's reconcile casts it to the meta's); others
     (``Sparse[...]``, which pyarrow refuses with a ``TypeError``, or a third
     party's dtype that cannot convert) travel pickled, as Dask's task and P2P
-    shuffles move them. Tried once per dtype on a column of zero rows.
+    shuffles move them. Tried on a column of zero rows.
     """
     try:
         empty = pd.DataFrame({"c": pd.array([], dtype=dtype)})
