@@ -749,3 +749,77 @@ def test_remembered_schema_is_arrows_schema_of_each_frame(index: bool) -> None:
     # Frames that differ only where Arrow infers from values (object columns) are never remembered.
     assert not any(object in key[5] for key in pandas_module._SCHEMAS)
     assert len(pandas_module._SCHEMAS) <= pandas_module._SCHEMAS_MAX
+
+
+# ------------------------------------------- gathered tables to pandas
+
+
+def _owned_table(n: int, extra: dict[str, pa.Array] | None = None) -> tuple[pa.Table, dict[str, np.ndarray]]:
+    """A table whose numeric buffers are numpy arrays of this test (as a gather's are)."""
+    rng = np.random.default_rng(3)
+    arrays = {
+        "i64": rng.integers(-(2**40), 2**40, n),
+        "u8": rng.integers(0, 255, n).astype(np.uint8),
+        "f64": rng.random(n),
+        "f32": rng.random(n).astype(np.float32),
+    }
+    columns = {
+        name: pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), n, [None, pa.py_buffer(a)])
+        for name, a in arrays.items()
+    }
+    columns["s"] = pa.array([f"v{i}" for i in range(n)], pa.string())
+    columns["b"] = pa.array(np.arange(n) % 3 == 0)
+    columns["inull"] = pa.array([None if i % 4 == 0 else i for i in range(n)], pa.int64())
+    columns.update(extra or {})
+    return pa.table(columns), arrays
+
+
+def test_owned_numeric_columns_become_writable_views_without_a_copy() -> None:
+    from mpshuffle.table.pandas import _owned_to_pandas
+
+    table, arrays = _owned_table(50)
+    got = _owned_to_pandas(table)
+    assert got is not None
+    pd.testing.assert_frame_equal(got, table.to_pandas(use_threads=False))
+    for name, a in arrays.items():
+        values = got[name].array.to_numpy()
+        assert np.shares_memory(values, a), name  # no copy of the gathered bytes
+    # Settable in place, as a frame from to_pandas is; the write lands in the buffer it views.
+    got.loc[3, "f64"] = -1.0
+    got.loc[4, "i64"] = 7
+    assert got["f64"].iloc[3] == -1.0 and got["i64"].iloc[4] == 7
+
+
+def test_owned_conversion_declines_what_would_come_out_read_only() -> None:
+    from mpshuffle.table.pandas import _owned_to_pandas
+
+    n = 8
+    stamps = pa.array(np.arange(n).astype("datetime64[ns]"))
+    table, _ = _owned_table(n, {"t": stamps})
+    assert _owned_to_pandas(table) is None  # a timestamp column: converted as before
+    frozen = pa.Array.from_buffers(pa.float64(), n, [None, pa.py_buffer(bytes(8 * n))])  # immutable
+    assert _owned_to_pandas(pa.table({"x": frozen})) is None
+    two_chunks = pa.table({"x": pa.chunked_array([np.arange(3.0), np.arange(2.0)])})
+    assert _owned_to_pandas(two_chunks) is None
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_unpacked_gathered_partition_is_writable_and_exact(index: bool) -> None:
+    adapter = PandasAdapter(index=index)
+    rng = np.random.default_rng(11)
+    frames = [
+        pd.DataFrame(
+            {"k": rng.integers(0, 100, n), "x": rng.random(n), "i32": rng.integers(0, 9, n).astype(np.int32),
+             "s": pd.Series([f"s{v}" for v in range(n)], dtype="str")},
+            index=pd.RangeIndex(1000 * i, 1000 * i + n),
+        )
+        for i, n in enumerate([30, 0, 45])
+    ]
+    meta = frames[0].iloc[:0]
+    outputs = shuffle(adapter, frames, ["k"], 4, meta)
+    for pid, out in outputs.items():
+        parts = [f[_ids(adapter, f, 4) == pid] for f in frames]
+        expected = pd.concat(parts) if index else pd.concat(parts, ignore_index=True)
+        pd.testing.assert_frame_equal(out, expected)
+        out.iloc[0, 1] = -5.0  # the float column, set in place
+        assert out.iloc[0, 1] == -5.0

@@ -225,6 +225,73 @@ def _objects_round_trip_index(frame: pd.DataFrame, index_columns: Sequence[Colum
     return True
 
 
+def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
+    """``table.to_pandas()`` without copying its integer and float columns, for a table this process wrote.
+
+    ``to_pandas`` copies every numeric column into a new consolidated block:
+    for a gathered partition (:func:`~mpshuffle.table._columns.gather`, whose
+    buffers are fresh numpy arrays nothing else holds) that is a second copy
+    of most of the output's bytes into fresh pages, with both copies alive
+    at once. Here Arrow converts with ``split_blocks=True``, which gives
+    those columns as views of the table's buffers, read-only; each is then
+    replaced by a writable numpy view of the same buffer (the buffer is
+    mutable: the gather's own array), so the frame behaves as one from
+    ``to_pandas`` does (its columns can be set in place).
+
+    Returns ``None`` (the caller converts as usual) where a column of another
+    fixed-width type (timestamps, durations, decimals, ...) would also come out
+    read-only, or where a numeric column's buffer cannot be matched to a
+    writable view (several chunks, an immutable buffer).
+
+    Parameters
+    ----------
+    table
+        A table whose buffers nothing else refers to (length n rows).
+
+    Returns
+    -------
+    pandas.DataFrame or None
+        The frame ``table.to_pandas(use_threads=False)`` gives (same columns,
+        index and dtypes), or ``None``.
+    """
+    views: dict[int, np.ndarray] = {}
+    for column in table.columns:
+        t = column.type
+        if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_boolean(t):
+            continue  # Arrow-backed strings, or converted (copied) as today
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t)) or t == pa.float16():
+            return None
+        if column.null_count:
+            continue  # converted through float or nullable: copied as today
+        if column.num_chunks != 1:
+            return None
+        chunk = column.chunk(0)
+        data = chunk.buffers()[1]
+        if data is None or not data.is_mutable:
+            return None
+        view = np.frombuffer(data, np.dtype(t.to_pandas_dtype()))[chunk.offset : chunk.offset + len(chunk)]
+        views[view.__array_interface__["data"][0]] = view
+    if not views or not table.num_rows:
+        return None
+    frame = table.to_pandas(use_threads=False, split_blocks=True)
+    columns: dict[int, Any] = {}
+    for i in range(frame.shape[1]):
+        array = frame.iloc[:, i].array
+        values = array.to_numpy() if isinstance(array, pd.arrays.NumpyExtensionArray) else None
+        if values is not None and not values.flags.writeable:
+            # A zero-copy view of the table (a converted column, e.g. one with
+            # nulls, is a fresh writable array and stays as it is).
+            writable = views.get(values.__array_interface__["data"][0])
+            if writable is None or writable.dtype != values.dtype or len(writable) != len(values):
+                return None  # a column we cannot give back writable: convert as usual
+            columns[i] = writable
+        else:
+            columns[i] = array
+    out = pd.DataFrame(columns, index=frame.index, copy=False)
+    out.columns = frame.columns
+    return out
+
+
 def _nullable_ints(table: pa.Table, frame: pd.DataFrame) -> pd.DataFrame:
     """Give Arrow integer columns with nulls a nullable pandas dtype, not ``float64``.
 
@@ -477,7 +544,7 @@ class PandasAdapter(FrameAdapter):
             header = Header(ARROW, tuple(names) if names is not None else None)
             for schema in schemas:
                 check_columns(self._restored(_data_fields(schema), header), meta)
-            return self._to_pandas(table, header)
+            return self._to_pandas(table, header, owned=True)
         parts = [read_piece(p) for p in pieces]
         header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
         checked = set()
@@ -528,11 +595,14 @@ class PandasAdapter(FrameAdapter):
         by_str = {str(n): n for n in header.names}
         return [by_str.get(f, f) for f in field_names]
 
-    def _to_pandas(self, table: pa.Table, header: Header) -> pd.DataFrame:
+    def _to_pandas(self, table: pa.Table, header: Header, owned: bool = False) -> pd.DataFrame:
         # One thread: Dask runs extracts in parallel already, and Arrow's pool
         # threads on top of every task thread cost CPU time, not only wall time
         # (0.067 against 0.049 CPU-s/GB for the benchmark's partitions).
-        frame = _nullable_ints(table, table.to_pandas(use_threads=False))
+        converted = _owned_to_pandas(table) if owned else None
+        if converted is None:
+            converted = table.to_pandas(use_threads=False)
+        frame = _nullable_ints(table, converted)
         if header.names is not None:
             frame.columns = self._restored([str(c) for c in frame.columns], header)
         return frame
