@@ -2,7 +2,8 @@
 
 Not a test. Starts a ``LocalCluster`` (``--workers`` x 1 thread), persists
 ``config_line_bench``'s synthetic input (0.7 GB per worker unless ``--rows``),
-waits until every worker has loaded the kernels (the client preload's work),
+waits until every worker has loaded the kernels (the client preload's work;
+not with ``--no-wait``),
 then times, from the client: registering the plugins again, and the
 generation's bootstrap (``ensure_generation`` on the scheduler). On every
 worker it wraps the bootstrap's steps (``TcpCommunicator.start``,
@@ -98,6 +99,8 @@ def main() -> None:
     p.add_argument("--partitions", type=int, default=120)
     p.add_argument("--rows", type=int, default=None)
     p.add_argument("--memory-limit", type=float, default=6.0, help="GiB per worker")
+    p.add_argument("--no-wait", action="store_true",
+                   help="bootstrap at once after the persist, not after the kernels are loaded")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = args.rows or 700_000_000 * args.workers // 44 // args.partitions
@@ -113,7 +116,7 @@ def main() -> None:
         data = df.persist()
         wait(data)
         out["persist_done_s"] = time.perf_counter() - t_start
-        while None in client.run(_warmed_up).values():
+        while not args.no_wait and None in client.run(_warmed_up).values():
             time.sleep(0.05)
         out["kernels_loaded_s"] = time.perf_counter() - t_start
         client.run(_patch)

@@ -121,3 +121,39 @@ def test_a_second_process_loads_the_kernels_from_numba_cache() -> None:
         runs.append(out.stdout.strip())
     assert runs[1].startswith("misses {} hits "), runs
     assert int(runs[1].rsplit(" ", 1)[1]) > 0, runs
+
+
+_PAUSED = textwrap.dedent(
+    """
+    import sys
+    import threading
+    import time
+
+    from mpshuffle.table import _columns
+    from mpshuffle.table.warm import paused, warm_up, warmed_up
+
+    with paused():
+        with paused():  # holds nest
+            thread = threading.Thread(target=warm_up, daemon=True)
+            thread.start()
+            time.sleep(0.5)
+        time.sleep(0.2)
+        # Held between its steps: waiting there, nothing finished.
+        assert thread.is_alive() and warmed_up() is None
+        frame, names = sys._current_frames()[thread.ident], []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        assert "_wait_while_paused" in names, names
+    thread.join(240)
+    assert not thread.is_alive() and warmed_up() is not None
+    assert not _columns.INSERTING.is_set()
+    print("ok")
+    """
+)
+
+
+def test_warm_up_waits_while_paused_and_finishes_after() -> None:
+    out = subprocess.run([sys.executable, "-c", _PAUSED], check=False, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")
