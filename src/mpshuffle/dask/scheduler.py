@@ -693,8 +693,7 @@ def _order_extracts(run: _Run, tasks: Mapping[Any, Any]) -> None:
             if key not in after or follow > after[key][1]:
                 after[key] = (dts, follow)
     for dts, follow in after.values():
-        if follow < dts.priority:
-            dts.priority = follow
+        dts.priority = min(dts.priority, follow)
 
 
 def _pins(
