@@ -3,16 +3,21 @@
 Not a test. On a LocalCluster of 2 workers x 1 thread (explicit memory
 limit) it shuffles data of at least 4x the sum of the workers' mpshuffle host
 budgets, generated on the workers with numpy (int64 key, float64, string),
-while a background thread samples every worker's RSS with psutil. Then it
-runs Dask's P2P shuffle of the same data on a fresh cluster of the same
-shape, sampled the same way. For each worker it prints the peak RSS next to the bound
+while a background thread samples every worker's RSS with psutil, and runs
+Dask's P2P shuffle of the same data the same way. Every run gets a fresh
+cluster of the same shape; with ``--repeats N`` the methods alternate, their
+order turned each round (mpshuffle, P2P; P2P, mpshuffle; ...), so that a
+change of the machine's load weighs on both. Per run it records the seconds,
+the workers' CPU-seconds (user + system, from ``/proc``) and how busy the
+disk of the spill directory was (``io_ticks`` of ``/proc/diskstats`` over
+the wall time). For each worker it prints the peak RSS next to the bound
 
     idle RSS (after bootstrap and a tiny warm-up shuffle) + host budget
     + 2 x the largest input or output partition's in-memory size
 
 and writes everything to ``benchmarks/results/memory_budget.json``.
 
-Run: ``python benchmarks/memory_budget.py [--gb 0.6] [--budget-mib 64]``
+Run: ``python benchmarks/memory_budget.py [--gb 0.6] [--budget-mib 64] [--repeats 1]``
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import tempfile
 import threading
 import time
 from typing import Any
@@ -120,13 +127,56 @@ def build_input(nparts: int, rows: int) -> dd.DataFrame:
     return dd.from_map(make_partition, range(nparts), nrows=rows, enforce_metadata=False)
 
 
-def run_phase(name: str, client: Client, shuffled: dd.DataFrame) -> dict[str, Any]:
-    """Compute the sizes of ``shuffled``'s partitions while sampling RSS."""
+def worker_cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU-seconds each worker process has used so far."""
+    out = {}
+    for w, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[w] = t.user + t.system
+    return out
+
+
+def disk_of(path: str) -> str | None:
+    """The ``/proc/diskstats`` name of the block device holding ``path`` (a whole disk or partition), if found."""
+    try:
+        dev = os.stat(path).st_dev
+        major, minor = os.major(dev), os.minor(dev)
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if int(fields[0]) == major and int(fields[1]) == minor:
+                    return fields[2]
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def disk_ticks(name: str | None) -> tuple[int, int, int]:
+    """``(io_ticks ms, sectors read, sectors written)`` of disk ``name`` from ``/proc/diskstats`` (zeros if unknown)."""
+    if name is None:
+        return (0, 0, 0)
+    with open("/proc/diskstats") as f:
+        for line in f:
+            fields = line.split()
+            if fields[2] == name:
+                return (int(fields[12]), int(fields[5]), int(fields[9]))
+    return (0, 0, 0)
+
+
+def run_phase(name: str, client: Client, shuffled: dd.DataFrame, disk: str | None) -> dict[str, Any]:
+    """Compute the sizes of ``shuffled``'s partitions while sampling RSS, CPU and the disk's busy time."""
     pids = worker_pids(client)
+    cpu0 = worker_cpu_seconds(pids)
+    ticks0 = disk_ticks(disk)
     with RSSSampler(pids) as sampler:
         t0 = time.perf_counter()
         sizes = shuffled.map_partitions(partition_sizes, meta={"rows": "i8", "nbytes": "i8"}).compute()
         seconds = time.perf_counter() - t0
+    ticks1 = disk_ticks(disk)
+    cpu1 = worker_cpu_seconds(pids)
     return {
         "name": name,
         "seconds": seconds,
@@ -134,6 +184,11 @@ def run_phase(name: str, client: Client, shuffled: dd.DataFrame) -> dict[str, An
         "largest_output_partition_bytes": int(sizes["nbytes"].max()),
         "peak_rss": sampler.peak,
         "samples": sampler.samples,
+        "worker_cpu_seconds": {w: cpu1[w] - cpu0[w] for w in cpu1 if w in cpu0},
+        "disk": disk,
+        "disk_busy_fraction": (ticks1[0] - ticks0[0]) / 1000 / seconds,
+        "disk_read_bytes": (ticks1[1] - ticks0[1]) * 512,
+        "disk_written_bytes": (ticks1[2] - ticks0[2]) * 512,
     }
 
 
@@ -147,6 +202,13 @@ def main() -> None:
         "--arrow-pool", default="system",
         help="ARROW_DEFAULT_MEMORY_POOL of the workers (both shuffles): 'system' returns freed "
         "memory at once; Arrow's default allocator keeps it for reuse, which hides the peak",
+    )
+    parser.add_argument(
+        "--methods", default="mpshuffle,p2p", help="comma-separated, of mpshuffle and p2p, in round 0's order"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="rounds; each runs every method once, each on a fresh cluster, the order turned by one every round",
     )
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "memory_budget.json")
@@ -175,76 +237,117 @@ def main() -> None:
         },
         "cpus": os.cpu_count(),
     }
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    assert set(methods) <= {"mpshuffle", "p2p"} and methods, methods
+    result["methods"] = methods
+    result["repeats"] = args.repeats
+    spill_dir = dask.config.get("temporary-directory", None) or tempfile.gettempdir()
+    disk = disk_of(spill_dir)
+    result["spill_disk"] = disk
+    result["load_average_start"] = os.getloadavg()
     df = build_input(args.partitions, rows)
-    # Each shuffle gets a fresh cluster of the same shape, so that neither
-    # starts from the other's leftovers.
-    for kind in ("mpshuffle", "p2p"):
-        with LocalCluster(
-            n_workers=nworkers, threads_per_worker=1, processes=True,
-            memory_limit=args.memory_limit, dashboard_address=":0",
-        ) as cluster, Client(cluster) as client:
-            warm = dd.from_pandas(make_partition(0, 1000), npartitions=2)
-            if kind == "mpshuffle":
-                inputs = df.map_partitions(partition_sizes, meta={"rows": "i8", "nbytes": "i8"}).compute()
-                total = int(inputs["nbytes"].sum())
-                result["data_bytes"] = total
-                result["largest_input_partition_bytes"] = int(inputs["nbytes"].max())
-                result["data_over_budgets"] = total / (nworkers * budget)
+    runs: list[dict[str, Any]] = []
+    for r in range(args.repeats):
+        turn = r % len(methods)
+        for kind in methods[turn:] + methods[:turn]:
+            # A fresh cluster of the same shape for every run, so that none
+            # starts from another's leftovers.
+            with LocalCluster(
+                n_workers=nworkers, threads_per_worker=1, processes=True,
+                memory_limit=args.memory_limit, dashboard_address=":0",
+            ) as cluster, Client(cluster) as client:
+                warm = dd.from_pandas(make_partition(0, 1000), npartitions=2)
+                if "data_bytes" not in result:
+                    inputs = df.map_partitions(partition_sizes, meta={"rows": "i8", "nbytes": "i8"}).compute()
+                    total = int(inputs["nbytes"].sum())
+                    result["data_bytes"] = total
+                    result["largest_input_partition_bytes"] = int(inputs["nbytes"].max())
+                    result["data_over_budgets"] = total / (nworkers * budget)
+                    print(
+                        f"data: {total / MiB:.0f} MiB in {args.partitions} partitions "
+                        f"(largest {inputs['nbytes'].max() / MiB:.1f} MiB) = "
+                        f"{result['data_over_budgets']:.1f} x the sum of the host budgets "
+                        f"({nworkers} x {args.budget_mib} MiB); spill disk {disk}",
+                        flush=True,
+                    )
+                if kind == "mpshuffle":
+                    bootstrap_dask_cluster(client, spill_host=budget)
+                    shuffle(warm, "k", npartitions=2).compute()
+                    idle = idle_rss(client)
+                    phase = run_phase(kind, client, shuffle(df, "k", npartitions=args.partitions), disk)
+                    stats = gather_statistics(client)
+                    phase["statistics"] = {w: runs_[-1] for w, runs_ in stats.items() if runs_}
+                else:
+                    warm.shuffle("k", npartitions=2, shuffle_method="p2p").compute()
+                    idle = idle_rss(client)
+                    shuffled = df.shuffle("k", npartitions=args.partitions, shuffle_method="p2p")
+                    phase = run_phase(kind, client, shuffled, disk)
+                phase["idle_rss"] = idle
+                phase["round"] = r
+                phase["load_average"] = os.getloadavg()
+                runs.append(phase)
                 print(
-                    f"data: {total / MiB:.0f} MiB in {args.partitions} partitions "
-                    f"(largest {inputs['nbytes'].max() / MiB:.1f} MiB) = "
-                    f"{result['data_over_budgets']:.1f} x the sum of the host budgets "
-                    f"({nworkers} x {args.budget_mib} MiB)",
+                    f"round {r} {kind}: {phase['seconds']:.1f} s, workers' CPU "
+                    f"{sum(phase['worker_cpu_seconds'].values()):.1f} s, disk busy "
+                    f"{phase['disk_busy_fraction']:.0%}, peak RSS MiB "
+                    f"{sorted(round(v / MiB) for v in phase['peak_rss'].values())}",
                     flush=True,
                 )
-                bootstrap_dask_cluster(client, spill_host=budget)
-                shuffle(warm, "k", npartitions=2).compute()
-                idle = idle_rss(client)
-                phase = run_phase(kind, client, shuffle(df, "k", npartitions=args.partitions))
-                stats = gather_statistics(client)
-                phase["statistics"] = {w: runs[-1] for w, runs in stats.items() if runs}
-            else:
-                warm.shuffle("k", npartitions=2, shuffle_method="p2p").compute()
-                idle = idle_rss(client)
-                shuffled = df.shuffle("k", npartitions=args.partitions, shuffle_method="p2p")
-                phase = run_phase(kind, client, shuffled)
-            phase["idle_rss"] = idle
-            result[kind] = phase
-            print(f"{kind}: {phase['seconds']:.1f} s, peak RSS {phase['peak_rss']}", flush=True)
-    mps, p2p = result["mpshuffle"], result["p2p"]
+    result["load_average_end"] = os.getloadavg()
+    result["runs"] = runs
 
     largest = max(
-        result["largest_input_partition_bytes"],
-        mps["largest_output_partition_bytes"],
-        p2p["largest_output_partition_bytes"],
+        [result["largest_input_partition_bytes"]] + [p["largest_output_partition_bytes"] for p in runs]
     )
     result["largest_partition_bytes"] = largest
-    ok = True
-    print(f"\n{'':>10} {'worker':<24} {'idle':>9} {'peak':>9} {'bound':>9} {'within':>7}   seconds")
-    for phase in (mps, p2p):
+    print(f"\n{'':>10} {'round':>5} {'worker':<24} {'idle':>9} {'peak':>9} {'bound':>9} {'within':>7}   seconds")
+    for phase in runs:
         phase["bound"] = {}
         phase["within_bound"] = {}
         for i, w in enumerate(sorted(phase["peak_rss"])):
-            # Each shuffle ran on its own cluster: match workers by their sorted order.
             idle_w = sorted(phase["idle_rss"].items())[i][1]
             bound = idle_w + budget + 2 * largest
             phase["bound"][w] = bound
             phase["within_bound"][w] = phase["peak_rss"][w] <= bound
             print(
-                f"{phase['name']:>10} {w:<24} {idle_w / MiB:7.0f}Mi {phase['peak_rss'][w] / MiB:7.0f}Mi "
-                f"{bound / MiB:7.0f}Mi {phase['within_bound'][w]!s:>7}   {phase['seconds']:.1f}"
+                f"{phase['name']:>10} {phase['round']:>5} {w:<24} {idle_w / MiB:7.0f}Mi "
+                f"{phase['peak_rss'][w] / MiB:7.0f}Mi {bound / MiB:7.0f}Mi {phase['within_bound'][w]!s:>7}   "
+                f"{phase['seconds']:.1f}"
             )
         assert phase["rows"] == args.partitions * rows, (phase["name"], phase["rows"])
-    ok = all(mps["within_bound"].values())
-    mps_peak, p2p_peak = max(mps["peak_rss"].values()), max(p2p["peak_rss"].values())
-    result["mpshuffle_within_bound"] = ok
-    result["mpshuffle_peak_below_p2p"] = mps_peak < p2p_peak
-    spilled = sum(s["bytes_spilled_disk"] for s in mps["statistics"].values())
-    print(
-        f"\nmpshuffle: spilled {spilled / MiB:.0f} MiB; peak {mps_peak / MiB:.0f} MiB vs P2P peak "
-        f"{p2p_peak / MiB:.0f} MiB (ratio {mps_peak / p2p_peak:.2f}); within bound on every worker: {ok}; "
-        f"seconds mpshuffle {mps['seconds']:.1f} vs P2P {p2p['seconds']:.1f}"
-    )
+    summary: dict[str, Any] = {}
+    for kind in methods:
+        of = [p for p in runs if p["name"] == kind]
+        secs = [p["seconds"] for p in of]
+        cpus = [sum(p["worker_cpu_seconds"].values()) for p in of]
+        peaks = [max(p["peak_rss"].values()) for p in of]
+        busy = [p["disk_busy_fraction"] for p in of]
+        summary[kind] = {
+            "seconds": [min(secs), statistics.median(secs), max(secs)],
+            "worker_cpu_seconds": [min(cpus), statistics.median(cpus), max(cpus)],
+            "peak_rss_per_worker": [min(peaks), statistics.median(peaks), max(peaks)],
+            "disk_busy_fraction": [min(busy), statistics.median(busy), max(busy)],
+        }
+        if kind == "mpshuffle":
+            summary[kind]["within_bound"] = all(all(p["within_bound"].values()) for p in of)
+            summary[kind]["spilled_bytes"] = [
+                sum(s["bytes_spilled_disk"] for s in p["statistics"].values()) for p in of
+            ]
+        print(
+            f"{kind}: seconds min/median/max {'/'.join(f'{v:.1f}' for v in summary[kind]['seconds'])}, workers' "
+            f"CPU-s {'/'.join(f'{v:.1f}' for v in summary[kind]['worker_cpu_seconds'])}, peak MiB per worker "
+            f"{'/'.join(f'{v / MiB:.0f}' for v in summary[kind]['peak_rss_per_worker'])}, disk busy "
+            f"{'/'.join(f'{v:.0%}' for v in summary[kind]['disk_busy_fraction'])}"
+        )
+    if set(methods) == {"mpshuffle", "p2p"}:
+        ratios = [
+            next(p for p in runs if p["round"] == r and p["name"] == "p2p")["seconds"]
+            / next(p for p in runs if p["round"] == r and p["name"] == "mpshuffle")["seconds"]
+            for r in range(args.repeats)
+        ]
+        summary["p2p_over_mpshuffle_per_round"] = ratios
+        print(f"P2P / mpshuffle seconds per round: {' '.join(f'{x:.2f}' for x in ratios)}")
+    result["summary"] = summary
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2, sort_keys=True)

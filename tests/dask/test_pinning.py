@@ -85,3 +85,40 @@ def test_extracts_get_their_priorities_in_partition_order(client: Client) -> Non
     assert priorities == sorted(priorities) and len(set(priorities)) == nout
     got = pd.concat(client.compute(out.to_delayed(), sync=True), ignore_index=True)
     pd.testing.assert_frame_equal(got.sort_values("v", ignore_index=True), pdf)
+
+
+def _priorities(dask_scheduler: Any, names: list[str], n: int) -> list[list[Any]]:
+    return [[dask_scheduler.tasks[(name, j)].priority for j in range(n)] for name in names]
+
+
+def _sizes(part: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({"rows": [len(part)]})
+
+
+def test_each_output_partitions_consumer_follows_its_extract(client: Client) -> None:
+    """The task consuming an output partition runs right after its extract, not after later extracts.
+
+    Reordering the extracts' priorities (above) left each consumer at the
+    priority Dask gave it next to another extract, so a worker ran many
+    extracts ahead of their consumers and held their outputs (out of core,
+    ~25 partitions of 40 MiB on a 1.5 GiB worker).
+    """
+    bootstrap_dask_cluster(client)
+    pdf = pd.DataFrame({"k": np.arange(6000) % 211, "v": np.arange(6000)})
+    a = dd.from_pandas(pdf, npartitions=6).persist()
+    wait(a)
+    nout = 24
+    out = shuffle(a, "k", npartitions=nout, ignore_index=True)
+    sizes = out.map_partitions(_sizes, meta={"rows": "i8"}).optimize()
+    extract_name = out._name
+    consumer_name = sizes.__dask_keys__()[0][0]
+    assert consumer_name != extract_name
+    sizes = sizes.persist()
+    wait(sizes)
+    extracts, consumers = client.run_on_scheduler(_priorities, names=[extract_name, consumer_name], n=nout)
+    assert extracts == sorted(extracts)
+    # Each consumer is more urgent than every later extract (it may be more
+    # urgent than its own extract too: it waits for it anyway).
+    for j in range(nout - 1):
+        assert consumers[j] < extracts[j + 1], j
+    assert int(sizes.compute()["rows"].sum()) == len(pdf)
