@@ -244,6 +244,7 @@ class NDArrayAdapter(FrameAdapter):
         self.partition = partition
         self.views = views
         self._grids: dict[tuple[int, int], Any] = {}  # see _regular_grid
+        self._layouts: dict[Any, _ViewLayout] = {}  # see _view_cuts
 
     def matches(self, obj: object) -> bool:
         """Whether ``obj`` is a plain NumPy array (not a subclass such as a masked array)."""
@@ -391,7 +392,7 @@ class NDArrayAdapter(FrameAdapter):
         for k, piece in enumerate(pieces):
             if piece.metadata[:1] == bytes([VIEW]):
                 views[k] = self._view_cuts(piece.metadata, piece.data)
-                read.append((VIEW, len(views[k].strides), views[k].rows))
+                read.append((VIEW, len(views[k].layout.strides), views[k].rows))
             else:
                 read.append(_read_index(piece.metadata, piece.data))
         ndims = {ndim for _, ndim, _ in read}
@@ -475,20 +476,22 @@ class NDArrayAdapter(FrameAdapter):
         grid = _regular_grid(plan, where, self._grids)
         if grid is None:
             raise ShuffleError(f"a rechunk view piece of input block {where}, whose cuts are not a regular grid")
-        part = _grid_blocks(grid) // plan.per_partition
-        lo, hi = (int(i) for i in np.searchsorted(part, [partition, partition + 1]))
-        rows, elem = _grid_rows(grid, shape, lo, hi)
-        itemsize = self.dtype.itemsize
-        strides = _c_strides(shape)
-        lengths = [g[1] for g in grid]
-        reach = sum((n - 1) * st for n, st in zip(lengths, strides, strict=True)) + 1
-        if hi <= lo or (int(elem[-1]) + reach - int(elem[0])) * itemsize != memoryview(data).nbytes:
+        # The pieces of one partition from input blocks that differ only in
+        # where their cuts land in the output blocks (time-to-space: every
+        # time step) share their layout; worked out once per partition.
+        key = (shape, tuple((g[0], g[1], g[2].tobytes()) for g in grid))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = _view_layout(plan, partition, grid, shape, self.dtype.itemsize)
+        if layout.hi <= layout.lo or layout.nbytes != memoryview(data).nbytes:
             raise ShuffleError(
                 f"a rechunk view piece of input block {where} does not hold the cuts of output partition "
                 f"{partition} ({memoryview(data).nbytes} bytes)"
             )
-        rows[:, 1] = (elem - elem[0]) * itemsize
-        return _ViewCuts(rows, [st * itemsize for st in strides], [len(g[2]) for g in grid], lo, hi)
+        rows = layout.rows.copy()
+        for a, (g, index) in enumerate(zip(grid, layout.index, strict=True)):
+            rows[:, 2 + a] = g[3][index]
+        return _ViewCuts(rows, layout)
 
     def empty_like(self, meta: Any) -> Any:
         """An array with ``meta``'s shape and the adapter's dtype, uninitialized."""
@@ -496,14 +499,62 @@ class NDArrayAdapter(FrameAdapter):
 
 
 @dataclass(frozen=True)
-class _ViewCuts:
-    """The cuts a :data:`VIEW` piece holds: index rows (byte offsets from the piece's start), the block's byte strides, grid cut counts per axis and the cut range."""
+class _ViewLayout:
+    """Where the cuts of a partition lie in a :data:`VIEW` piece of input blocks of one grid shape.
+
+    ``rows``: the offset index (byte offsets from the piece's start; the
+    columns of the offsets in the output blocks left to each piece);
+    ``index``: per axis, each cut's position in the grid along it;
+    ``strides``: the block's byte strides; ``lo:hi``: the grid's cuts of
+    the partition; ``nbytes``: the piece's bytes; ``segments``: per strided
+    copy of :func:`_place_view`'s fast path, ``(byte offset, shape, byte
+    strides, first cut, cuts)``.
+    """
 
     rows: npt.NDArray[np.int64]
+    index: tuple[npt.NDArray[np.intp], ...]
     strides: list[int]
-    counts: list[int]
     lo: int
     hi: int
+    nbytes: int
+    segments: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int, int], ...]
+
+
+def _view_layout(plan: BlockPlan, partition: int, grid: _Grid, shape: Sequence[int], itemsize: int) -> _ViewLayout:
+    """The :class:`_ViewLayout` of the cuts of ``partition`` in a block of ``shape`` cut by ``grid``."""
+    part = _grid_blocks(grid) // plan.per_partition
+    lo, hi = (int(i) for i in np.searchsorted(part, [partition, partition + 1]))
+    counts = [len(g[2]) for g in grid]
+    rows, elem = _grid_rows(grid, shape, lo, hi)
+    strides = [st * itemsize for st in _c_strides(shape)]
+    ndim = len(grid)
+    lengths = [g[1] for g in grid]
+    if hi <= lo:
+        return _ViewLayout(rows, (), strides, lo, hi, -1, ())
+    reach = sum((n - 1) * st for n, st in zip(lengths, _c_strides(shape), strict=True)) + 1
+    rows[:, 1] = (elem - elem[0]) * itemsize
+    index = tuple(np.asarray(i, dtype=np.intp) for i in np.unravel_index(np.arange(lo, hi), counts))
+    segments = []
+    done = 0
+    for seg in _grid_segments(counts, lo, hi):
+        m = len(seg) - 1
+        first, last = seg[-1].start, seg[-1].stop
+        inner = counts[m + 1 :]
+        n = (last - first) * math.prod(inner)
+        seg_shape = (last - first, *inner, *lengths)
+        steps = (*(lengths[a] * strides[a] for a in range(m, ndim)), *strides)
+        segments.append((int(rows[done, 1]), tuple(int(v) for v in seg_shape), tuple(int(v) for v in steps), done, n))
+        done += n
+    nbytes = (int(elem[-1]) + reach - int(elem[0])) * itemsize
+    return _ViewLayout(rows, index, strides, lo, hi, nbytes, tuple(segments))
+
+
+@dataclass(frozen=True)
+class _ViewCuts:
+    """The cuts a :data:`VIEW` piece holds: its offset index (byte offsets from the piece's start) and layout."""
+
+    rows: npt.NDArray[np.int64]
+    layout: _ViewLayout
 
 
 def _place_view(
@@ -514,39 +565,26 @@ def _place_view(
 
     Where the output blocks share one array, the cuts share their place, and
     their blocks are consecutive there, one strided copy per segment of the
-    grid (:func:`_grid_segments`) moves them all; else one copy per cut.
+    grid (:func:`_grid_segments`, worked out once per layout) moves them
+    all; else one copy per cut.
     """
-    rows, strides = cuts.rows, cuts.strides
+    rows, strides = cuts.rows, cuts.layout.strides
     ndim = len(strides)
     lengths = rows[0, 2 + ndim :].tolist()
-    span = np.frombuffer(data, dtype=np.uint8)
-    itemsize = dtype.itemsize
 
     def at(byte: int, shape: Sequence[int], steps: Sequence[int]) -> Any:
-        # A strided view of the span from ``byte`` on (inside the span: the index says so).
-        return np.lib.stride_tricks.as_strided(
-            span[byte:].view(dtype) if itemsize else span[byte:], shape=tuple(shape), strides=tuple(steps),
-            writeable=False,
-        )
+        # A strided view of the piece from ``byte`` on (inside it: the layout says so).
+        return np.ndarray(tuple(shape), dtype=dtype, buffer=data, offset=byte, strides=tuple(steps))
 
-    place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), lengths, strict=True))
     if (
         stacked is not None and (rows[:, 2:] == rows[0, 2:]).all()
-        and bool((np.diff(mine) == 1).all())
+        and int(mine[-1]) - int(mine[0]) == len(mine) - 1 and bool((np.diff(mine) == 1).all())
     ):
-        done = 0
-        for seg in _grid_segments(cuts.counts, cuts.lo, cuts.hi):
-            m = len(seg) - 1
-            first, last = seg[-1].start, seg[-1].stop
-            inner = cuts.counts[m + 1 :]
-            n = (last - first) * math.prod(inner)
-            shape = (last - first, *inner, *lengths)
-            steps = (*(lengths[a] * strides[a] for a in range(m, ndim)), *strides)
-            src = at(int(rows[done, 1]), shape, steps)
+        place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), lengths, strict=True))
+        for byte, shape, steps, done, n in cuts.layout.segments:
             k = int(mine[done])
             dest = np.reshape(stacked[k : k + n][(slice(None), *place)], shape, copy=False)
-            np.copyto(dest, src, casting="no")
-            done += n
+            np.copyto(dest, at(byte, shape, steps), casting="no")
         return
     for row in rows.tolist():
         offsets, extents = row[2 : 2 + ndim], row[2 + ndim :]
