@@ -299,7 +299,7 @@ def test_kept_pieces_are_views_of_the_input_block(nranks: int, per_partition: in
             )
             mine = {pid: p for pid, p in pieces.items() if pid % nranks == rank}
             assert {p.metadata[0] for p in mine.values()} == {VIEW}
-            assert {p.metadata[0] for pid, p in pieces.items() if pid not in mine} <= {RAW}
+            assert {p.metadata[0] for pid, p in pieces.items() if pid not in mine} <= {RAW, VIEW}
             lo, hi = block.ctypes.data, block.ctypes.data + block.nbytes
             for piece in mine.values():
                 assert lo <= piece.data.address and piece.data.address + piece.data.size <= hi
@@ -318,6 +318,47 @@ def test_kept_pieces_are_views_of_the_input_block(nranks: int, per_partition: in
             np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
 
 
+@pytest.mark.parametrize(("per_partition", "sent_as_view"), [(8, True), (16, True), (4, False), (12, False)])
+def test_sent_pieces_are_views_where_their_ranges_hold_only_their_cuts(per_partition: int, sent_as_view: bool) -> None:
+    """A piece for another rank is its byte range of the block, uncopied, where that range is its cuts.
+
+    Blocks (1, 40, 40) into (4, 5, 5): a row of the output grid is 8
+    blocks, so partitions of 8 or 16 blocks are whole rows, each one byte
+    range of the input block holding exactly its cuts; partitions of 4 or 12
+    blocks span part of a row, and their pieces are copied (RAW). Received
+    as bytes (over the wire or read back from disk), every piece assembles
+    the right blocks.
+    """
+    from mpshuffle.table.ndarray import RAW, VIEW
+
+    steps, side, cut, nranks = 4, 40, 5, 2
+    full = np.arange(steps * side * side, dtype=np.float32).reshape(steps, side, side)
+    plan = _grid_plan(steps, side, cut, per_partition)
+    by_pid: dict[int, list] = {}
+    for t in range(steps):
+        rank = t % nranks
+        block = full[t : t + 1].copy()
+        pieces = NDArrayAdapter(full.dtype, plan, (t, 0, 0), views=True).split_for(
+            block, (), plan.npartitions, rank=rank, nranks=nranks
+        )
+        lo, hi = block.ctypes.data, block.ctypes.data + block.nbytes
+        for pid, piece in pieces.items():
+            if pid % nranks == rank:
+                continue
+            assert piece.metadata[0] == (VIEW if sent_as_view else RAW)
+            if sent_as_view:
+                assert lo <= piece.data.address and piece.data.address + piece.data.size <= hi
+                assert piece.data.size == len(plan.blocks_of(pid)) * cut * cut * full.itemsize  # only its cuts
+        for pid, piece in pieces.items():
+            by_pid.setdefault(pid, []).append(type(piece)(piece.metadata, bytes(piece.data), piece.nrows))
+    for pid, pieces in by_pid.items():
+        got = NDArrayAdapter(full.dtype, plan, partition=pid).unpack(pieces, None)
+        assert sorted(got) == list(plan.blocks_of(pid))
+        for b, arr in got.items():
+            j1, j2 = divmod(b, side // cut)
+            np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
+
+
 def test_views_only_where_their_byte_ranges_are_tight() -> None:
     """Kept pieces are copied where views would hold far more bytes than their cuts, or little of the block."""
     from mpshuffle.table.ndarray import VIEW
@@ -328,7 +369,7 @@ def test_views_only_where_their_byte_ranges_are_tight() -> None:
         pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
             full[0:1], (), plan.npartitions, rank=0, nranks=nranks
         )
-        assert all(p.metadata[0] != VIEW for p in pieces.values())
+        assert all(p.metadata[0] != VIEW for pid, p in pieces.items() if pid % nranks == 0)
     pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
         np.asfortranarray(full[0:1]), (), plan.npartitions, rank=0, nranks=1
     )

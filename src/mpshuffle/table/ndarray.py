@@ -57,6 +57,14 @@ fresh memory for the kept half. Spilled and read back, the range is the same
 bytes. Only where the ranges are tight (:data:`VIEW_MAX_SLACK`,
 :data:`VIEW_MIN_SHARE`): the run's budget counts every range, and the views
 keep the whole block alive.
+
+Pieces sent as views: a piece for another rank whose byte range holds
+(almost) nothing but its cuts (:data:`VIEW_SEND_SLACK`; a partition of whole
+rows of the output grid, as :func:`mpshuffle.dask.rechunk.aligned_per_partition`
+chooses for time-to-space) is a :data:`VIEW` piece too: the transport writes
+the range straight from the input block into the message, with no copy into
+a pooled buffer first, and the receiving extract places it as it places its
+own views.
 """
 
 from __future__ import annotations
@@ -780,6 +788,14 @@ VIEW_MAX_SLACK = 2
 #: ... and at least this fraction of the block, whose memory they keep alive
 #: whole: the budget never misses more than half of what the views hold.
 VIEW_MIN_SHARE = 0.5
+#: A piece sent to another rank goes as a view (its byte range of the input
+#: block, written straight into the message: no copy into a pooled buffer
+#: first) only where that range is at most this many times its cuts' bytes:
+#: every byte of the range crosses, so the range must hold little else.
+#: Partitions that tile the block grid whole along the trailing axes
+#: (:func:`mpshuffle.dask.rechunk.aligned_per_partition`) give ranges of
+#: exactly their cuts.
+VIEW_SEND_SLACK = 1.125
 
 
 def _pack_grid(
@@ -826,21 +842,29 @@ def _pack_grid(
     ranges = _partition_ranges(part)
     local = [partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
     spans: dict[int, tuple[int, int]] = {}
+    sent_views: set[int] = set()
     if view_of is not None:
         reach = sum((length - 1) * st for length, st in zip(lengths, _c_strides(frame.shape), strict=True)) + 1
-        spans = {
+        every = {
             lo: (int(elem[lo]) * frame.dtype.itemsize, (int(elem[hi - 1]) + reach) * frame.dtype.itemsize)
-            for (lo, hi), mine in zip(ranges, local, strict=True) if mine
+            for lo, hi in ranges
         }
+        spans = {lo: every[lo] for (lo, _), mine in zip(ranges, local, strict=True) if mine}
         held = sum(b - a for a, b in spans.values())
         kept_bytes = sum(hi - lo for (lo, hi), mine in zip(ranges, local, strict=True) if mine) * cut_bytes
         if not (held and held <= VIEW_MAX_SLACK * kept_bytes and held >= VIEW_MIN_SHARE * frame.nbytes):
             spans = {}
+        sent_views = {
+            lo for (lo, hi), mine in zip(ranges, local, strict=True)
+            if not mine and every[lo][1] - every[lo][0] <= VIEW_SEND_SLACK * (hi - lo) * cut_bytes
+        }
     # Pieces kept apart from those sent: only where more than one rank takes part (see above).
     kept = [mine and (nranks > 1 or bool(spans)) for mine in local]
     row_bytes = _index_bytes(ndim, 1)
-    away = sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k) * (cut_bytes + row_bytes)
-    home = 0 if spans else ncuts * (cut_bytes + row_bytes) - away
+    away = sum(
+        hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k and lo not in sent_views
+    ) * (cut_bytes + row_bytes)
+    home = 0 if spans else sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if k) * (cut_bytes + row_bytes)
 
     def fresh(nbytes: int) -> tuple[pa.Buffer | None, Any]:
         if not nbytes:
@@ -853,12 +877,12 @@ def _pack_grid(
     at = [0, 0]
     pieces = {}
     metadata = b""
-    if spans:
+    if spans or sent_views:
         whole = pa.py_buffer(frame)
         metadata = _view_metadata(view_of or (), frame.shape, 0)
     for (lo, hi), keep in zip(ranges, kept, strict=True):
-        if keep and spans:
-            a, b = spans[lo]
+        if (keep and spans) or (not keep and lo in sent_views):
+            a, b = spans[lo] if keep else every[lo]
             pieces[int(part[lo])] = PackedData(metadata, whole.slice(a, b - a), (hi - lo) * elements)
             continue
         head = (hi - lo) * row_bytes
