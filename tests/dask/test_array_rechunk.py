@@ -175,6 +175,28 @@ def test_extract_tasks_are_not_fused() -> None:
     assert all(dsk[k].key == k for k in extracts + inserts)  # the tasks themselves, not aliases
 
 
+def test_partitions_tile_the_grid_of_output_blocks() -> None:
+    """Blocks per partition move to the nearest count that tiles the output grid, at most twice the bytes' count."""
+    tile = rechunk_module.aligned_per_partition
+    assert tile(16, (1, 20, 20)) == 20  # 16 of a row of 20 would split rows: whole rows
+    assert tile(8, (1, 20, 20)) == 10  # half rows
+    assert tile(3, (1, 20, 20)) == 4
+    assert tile(30, (1, 20, 20)) == 40  # two whole rows
+    assert tile(16, (400, 1, 1)) == 16  # any count tiles a single axis of 400 that it divides
+    assert tile(1, (1, 20, 20)) == 1
+    assert tile(50, (1, 1, 1009)) == 50  # no tiling count within twice: as the bytes say
+
+
+def test_time_to_space_partitions_are_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(1, 40, 40) -> (4, 2, 2) with partitions of 16 blocks by bytes: 20 (a row of the grid), exact values."""
+    x = da.arange(4 * 40 * 40, dtype="f4").reshape(4, 40, 40).rechunk((1, 40, 40))
+    monkeypatch.setattr(rechunk_module, "PARTITION_BYTES", 16 * 4 * 2 * 2 * 4)  # 16 blocks of 64 bytes
+    y = x.rechunk((4, 2, 2), method="mpshuffle")
+    extracts = {k for k in y.__dask_graph__() if isinstance(k, tuple) and "-extract-" in k[0]}
+    assert len(extracts) == 20  # 400 blocks in partitions of 20, not 25 of 16
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), x.compute())
+
+
 def test_uninstall_restores_dask() -> None:
     module = sys.modules["dask.array.rechunk"]  # the attribute dask.array.rechunk is the function
     rechunk_module.uninstall()

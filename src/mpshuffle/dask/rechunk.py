@@ -37,7 +37,8 @@ mpshuffle run (:func:`mpshuffle.dask.graph.insert` / ``barrier`` /
 input block's insert task cuts it into one cut per output block it
 overlaps and sends, per output *partition* (:func:`partition_bytes` of
 consecutive output blocks: 64 MiB, less on workers with a small host
-budget), one piece holding its cuts for that partition's
+budget; the count of blocks moved to one that tiles the grid of output
+blocks, :func:`aligned_per_partition`), one piece holding its cuts for that partition's
 blocks to the partition's owner (the pieces its own rank keeps stay
 views of the input block where the cuts allow, see
 :mod:`mpshuffle.table.ndarray`); each partition's extract task (its adapter
@@ -79,7 +80,8 @@ from mpshuffle.options import Options
 from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter
 
 __all__ = [
-    "PARTITION_BUDGET_FRACTION", "PARTITION_BYTES", "install", "installed", "partition_bytes", "rechunk", "uninstall",
+    "PARTITION_BUDGET_FRACTION", "PARTITION_BYTES", "aligned_per_partition", "install", "installed", "partition_bytes",
+    "rechunk", "uninstall",
 ]
 
 #: Most bytes of output blocks gathered into one output partition of a rechunk's
@@ -293,7 +295,7 @@ def _exchange(
     if known and nblocks > 1:
         nbytes = x.dtype.itemsize * math.prod(sum(axis) for axis in _chunks_of(x, group))
         wanted = max(math.ceil(nbytes / max(1, nbytes_per_partition)), 2 * workers)
-        per_partition = max(1, nblocks // max(1, min(wanted, nblocks)))
+        per_partition = aligned_per_partition(max(1, nblocks // max(1, min(wanted, nblocks))), nout)
     plan = BlockPlan(cuts=tuple(g.cuts for g in group), nout=nout, per_partition=per_partition)
     gtoken = tokenize(token, gix)
     spec = ShuffleSpec(
@@ -321,6 +323,45 @@ def _exchange(
     for b, local in enumerate(np.ndindex(*nout)):
         key = (name, *(g.news.start + i for g, i in zip(group, local, strict=True)))
         layer[key] = Task(key, _pick, TaskRef((spec.extract_name, b // per_partition)), b)
+
+
+def aligned_per_partition(target: int, nout: Sequence[int]) -> int:
+    """Output blocks per output partition: ``target``, moved to the nearest count that tiles the block grid.
+
+    A partition of consecutive blocks (C order) is a box of the grid of
+    output blocks when its count divides the last axis's blocks, or is the
+    last axis's blocks times a divisor of the axis before (and so on
+    outwards). Then every input block's cuts for one partition are one box
+    of the block too, and where that box spans the block's trailing axes
+    whole (time-to-space: a partition of whole rows of pixel columns) its
+    byte range holds nothing but the cuts: kept pieces stay views of the
+    input block, and sent pieces go out as such ranges, uncopied
+    (:mod:`mpshuffle.table.ndarray`). A count that does not tile (16 of a
+    row of 20) leaves every other partition's range spanning two rows,
+    twice its cuts, and such pieces are copied.
+
+    Parameters
+    ----------
+    target
+        Blocks per partition from the bytes (:func:`partition_bytes`), >= 1.
+    nout
+        Output blocks of the group per axis.
+
+    Returns
+    -------
+    int
+        The tiling count nearest to ``target`` by ratio (the smaller on a
+        tie), if it is at most twice ``target`` (a partition at most twice
+        the bytes); else ``target``.
+    """
+    candidates = {1}
+    inner = 1
+    for n in reversed(list(nout)):
+        small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+        candidates.update(inner * d for d in (*small, *(n // d for d in small)))
+        inner *= n
+    best = min(candidates, key=lambda c: (max(c / target, target / c), c))
+    return best if best <= 2 * target else target
 
 
 def _chunks_of(x: Any, group: tuple[_AxisGroup, ...]) -> list[list[float]]:
