@@ -128,14 +128,14 @@ def _one(
     tl = Timeline(client, timeline, echo=True).start() if timeline else None
     t0 = time.perf_counter()
     failed = None
-    with sampler.sample(label, measure="process", interval=0.1):
+    with sampler.sample(label, client=client, measure="process", interval=0.1):
         if case == "out-of-core":
             try:
                 bad = int(client.compute(check(y)).result())
             except Exception as e:  # noqa: BLE001 -- a method that fails (workers killed) is a result too
                 failed, bad = f"{type(e).__name__}: {e}"[:400], 0
         else:
-            z = y.persist()
+            z = client.persist(y)
             wait(z)
             seconds = time.perf_counter() - t0
     if case == "out-of-core":

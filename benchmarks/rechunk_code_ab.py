@@ -1,0 +1,137 @@
+"""A/B of two versions of mpshuffle's rechunk in one invocation: two LocalClusters, runs alternated.
+
+Not a test. Cluster ``before`` runs the code of ``--before-src`` (a
+worktree of the older commit's ``src``: its worker processes import
+mpshuffle from there, the graph is built as that code builds it, here by
+switching off :func:`mpshuffle.dask.rechunk.aligned_per_partition`), cluster
+``after`` this checkout's code; P2P and tasks run on the ``after`` cluster
+(Dask's code is the same in both). Variant ``after-copysent`` is
+``after`` with the pieces for other ranks copied, never sent as views
+(``VIEW_SEND_SLACK`` set to 0 on the workers for the run). Each cluster is 2 workers x 1 thread of
+16 GiB with the same persisted input; the variants take turns in rotated
+order, one at a time (the other cluster idles). Every output block is
+checked, CPU and peak are each cluster's own (``rechunk_bench._one``).
+
+Run: ``python benchmarks/rechunk_code_ab.py time-to-space --before-src /tmp/main/src --repeat 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dask
+from distributed import Client, LocalCluster, wait
+from distributed.diagnostics import MemorySampler
+from rechunk_bench import _one, check, source
+
+import mpshuffle
+import mpshuffle.dask
+import mpshuffle.dask.rechunk as rc
+
+
+def _cluster(tmp: str, prepend: str | None) -> tuple[LocalCluster, Client]:
+    # Spawned workers take the parent's sys.path: put the older code first while they start.
+    saved = list(sys.path)
+    if prepend:
+        sys.path.insert(0, prepend)
+    try:
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                               memory_limit="16GiB", local_directory=tmp)
+    finally:
+        sys.path[:] = saved
+    return cluster, Client(cluster, set_as_default=False)
+
+
+def _send_slack(value: float) -> None:
+    import mpshuffle.table.ndarray as nd
+
+    nd.VIEW_SEND_SLACK = value
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("case", choices=("time-to-space", "space-to-time"))
+    p.add_argument("--before-src", required=True)
+    p.add_argument("--t", type=int, default=400)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--variants", default="after,before,p2p,tasks")
+    p.add_argument("--name", default="")
+    a = p.parse_args()
+    side, small = 1000, 50
+    variants = a.variants.split(",")
+    rows = []
+    load = [os.getloadavg()]
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
+        try:
+            inputs, pids = {}, {}
+            for name, (_, client) in clusters.items():
+                where = client.run(lambda: __import__("mpshuffle").__file__)
+                print(name, "imports", sorted(set(where.values())), flush=True)
+                with client.as_current():
+                    pids[name] = list(client.run(os.getpid).values())
+                    mpshuffle.dask.bootstrap_dask_cluster(client)
+                    warm = source((8, 40, 40), (1, 40, 40)).persist()
+                    for m in ("mpshuffle", "p2p", "tasks"):
+                        with dask.config.set({"array.rechunk.method": m}):
+                            assert int(client.compute(check(warm.rechunk((8, 2, 2)))).result()) == 0
+                    del warm
+                    if a.case == "time-to-space":
+                        x, target = source((a.t, side, side), (1, side, side)).persist(), (a.t, small, small)
+                    else:
+                        x, target = source((a.t, side, side), (a.t, small, small)).persist(), (1, side, side)
+                    wait(x)
+                    inputs[name] = x
+            sampler = MemorySampler()
+            aligned = rc.aligned_per_partition
+            for r in range(a.repeat):
+                for v in variants[r % len(variants):] + variants[: r % len(variants)]:
+                    name = "before" if v == "before" else "after"
+                    slack = 0.0 if v == "after-copysent" else 1.125
+                    method = v if v in ("p2p", "tasks") else "mpshuffle"
+                    client = clusters[name][1]
+                    if v == "before":
+                        rc.aligned_per_partition = lambda target, nout: target
+                    else:
+                        clusters["after"][1].run(_send_slack, slack)
+                    try:
+                        with client.as_current():
+                            row = _one(client, a.case, method, inputs[name], target, pids[name], sampler, f"{v}-{r}")
+                    finally:
+                        rc.aligned_per_partition = aligned
+                    row.update(variant=v, round=r, load=os.getloadavg()[0])
+                    rows.append(row)
+                    print(f"{a.case} {r} {v:7s} {row['seconds']:6.2f} s cpu {row['cpu_seconds']:5.1f} "
+                          f"peak {row['peak_bytes'] / 2**30:.2f} GiB load {row['load']:.1f}", flush=True)
+            load.append(os.getloadavg())
+        finally:
+            for cluster, client in clusters.values():
+                client.close()
+                cluster.close()
+    summary = {}
+    for v in variants:
+        mine = [x for x in rows if x["variant"] == v]
+        summary[v] = {k: [min(vals), statistics.median(vals), max(vals)] for k, vals in (
+            ("seconds", [x["seconds"] for x in mine]), ("cpu_seconds", [x["cpu_seconds"] for x in mine]),
+            ("peak_gib", [round(x["peak_bytes"] / 2**30, 2) for x in mine]))}
+    by = {(x["variant"], x["round"]): x["seconds"] for x in rows}
+    for v in variants:
+        if v != "after":
+            ratios = [by[v, r] / by["after", r] for r in range(a.repeat)]
+            summary[f"x_{v}"] = [round(min(ratios), 2), round(statistics.median(ratios), 2), round(max(ratios), 2)]
+    print(json.dumps(summary, indent=1))
+    out = Path(__file__).resolve().parent / "results" / f"{a.name or 'rechunk-code-ab-' + a.case}.json"
+    out.write_text(json.dumps({"case": a.case, "t": a.t, "before_src": a.before_src, "load": load,
+                               "summary": summary, "rows": rows}, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
