@@ -837,7 +837,6 @@ def _pack_grid(
     cut_bytes = elements * frame.dtype.itemsize
     rows, elem = _grid_rows(grid, frame.shape)
     rows[:, 1] *= cut_bytes
-    ncuts = len(rows)
     part = rows[:, 0] // plan.per_partition
     ranges = _partition_ranges(part)
     local = [partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
