@@ -528,3 +528,43 @@ def test_the_postbox_files_a_piece_in_about_twenty_bytes(tmp_path: Any) -> None:
     per_piece += max(ix.itemsize for entries in box._where.values() for _, ix in entries)
     assert per_piece <= 22  # was 64: seven int64 arrays and an int64 index
     box.clear()
+
+
+def test_release_pages_gives_back_only_whole_pages_of_popped_pieces_in_shared_mappings(tmp_path: Any) -> None:
+    """A received chunk over a shared mapping: one partition's pieces, popped and released, read as zeros
+    in their whole pages; the other partition's pieces, and bytes of pages they share, are untouched."""
+    import mmap
+
+    from mpshuffle.memory.postbox import compact_pieces
+
+    page = mmap.PAGESIZE
+    sizes = [3 * page + 100, 2 * page, 5 * page + 7, page - 1]  # pieces of partitions 0, 1, 0, 1, back to back
+    offsets = np.cumsum([0, *sizes[:-1]])
+    total = int(sum(sizes))
+    mapping = mmap.mmap(-1, total)  # shared and anonymous: shmem, as a /dev/shm message
+    values = (np.arange(total) % 251 + 1).astype(np.uint8)
+    mapping[:] = values.tobytes()
+    frame = memoryview(mapping)[0:total]
+    data = compact_pieces(np.array([0, 1, 0, 1]), np.array(sizes), np.zeros(4), np.zeros(4), offsets, np.array(sizes))
+    res = BufferResource({MemoryType.HOST: 10 * total}, spill_dir=str(tmp_path))
+    box = Postbox(res, "shm")
+    box.add_chunk(Chunk.received(0, "a", 1, 0, pieces=data, metas=[b"m"], frames=[frame]))
+    table = box.pop(0)
+    assert [bytes(p.data) for p in table] == [values[o : o + n].tobytes() for o, n in zip(offsets[[0, 2]], [sizes[0], sizes[2]], strict=True)]
+    released = table.release_pages()
+    after = np.frombuffer(mapping, np.uint8).copy()
+    freed = np.zeros(total, bool)
+    for o, n in ((offsets[0], sizes[0]), (offsets[2], sizes[2])):
+        lo, hi = -(-o // page) * page, (o + n) // page * page
+        freed[lo:hi] = True
+    assert released == int(freed.sum()) > 0
+    assert (after[freed] == 0).all() and (after[~freed] == values[~freed]).all()
+    assert table.release_pages() == 0  # once
+    rest = box.pop(1)
+    assert [bytes(p.data) for p in rest] == [values[o : o + n].tobytes() for o, n in zip(offsets[[1, 3]], [sizes[1], sizes[3]], strict=True)]
+    # Pieces in private memory (a frame of bytes) have nothing to give back.
+    box2 = Postbox(res, "heap")
+    box2.add_chunk(Chunk.received(0, "a", 1, 0, pieces=data, metas=[b"m"], frames=[values.tobytes()]))
+    heap = box2.pop(0)
+    assert heap.mapped is None and heap.release_pages() == 0
+    del table, rest, heap, frame

@@ -33,6 +33,7 @@ from dask.base import tokenize
 from mpshuffle.config import max_npartitions, resolve_options
 from mpshuffle.dask.runtime import LocalRuntime, RunInfo, Runtime
 from mpshuffle.errors import PartitionGoneError, ShuffleError, phase
+from mpshuffle.memory.packed import PieceTable
 from mpshuffle.options import Options
 from mpshuffle.shuffler.context import WorkerContext
 from mpshuffle.shuffler.device import is_device_meta
@@ -570,5 +571,9 @@ def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec, adapter: FrameAd
             out = adapter.unpack(pieces, spec.meta, on_lossy_cast=spec.on_lossy_cast)
         else:
             out = adapter.unpack(pieces, spec.meta)
+    if adapter.copies_pieces and isinstance(pieces, PieceTable):
+        # The result holds none of the pieces' bytes: their received shared
+        # memory goes now, not at this rank's last extract.
+        pieces.release_pages()
     runtime.extracted(run, ctx)
     return out

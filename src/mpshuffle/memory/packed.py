@@ -16,6 +16,7 @@ builds one.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -197,7 +198,7 @@ class PieceTable(Sequence[PackedData]):
         range, or a byte range lies outside its buffer.
     """
 
-    __slots__ = ("buffer_of", "buffers", "meta_of", "metas", "nrows", "offset", "pids", "size")
+    __slots__ = ("buffer_of", "buffers", "mapped", "meta_of", "metas", "nrows", "offset", "pids", "size")
 
     def __init__(
         self, *, pids: npt.ArrayLike, nrows: npt.ArrayLike, meta_of: npt.ArrayLike, metas: Sequence[bytes],
@@ -211,6 +212,11 @@ class PieceTable(Sequence[PackedData]):
         self.size = np.asarray(size, np.int64)
         self.metas = list(metas)
         self.buffers = [_as_buffer(b) for b in buffers]
+        #: Per buffer, ``(mapping, offset of the buffer in it)`` where the
+        #: buffer lies in a shared memory mapping of a received message (the
+        #: :class:`~mpshuffle.memory.postbox.Postbox` sets it), else ``None``;
+        #: see :meth:`release_pages`.
+        self.mapped: list[tuple[mmap.mmap, int] | None] | None = None
         n = len(self.pids)
         if not all(len(a) == n for a in (self.nrows, self.meta_of, self.buffer_of, self.offset, self.size)):
             raise ValueError("a PieceTable's arrays (pids, nrows, meta_of, buffer_of, offset, size) differ in length")
@@ -229,12 +235,13 @@ class PieceTable(Sequence[PackedData]):
     def _unchecked(
         cls, pids: npt.NDArray[np.int64], nrows: npt.NDArray[np.int64], meta_of: npt.NDArray[Any],
         metas: list[bytes], buffer_of: npt.NDArray[Any], offset: npt.NDArray[np.int64],
-        size: npt.NDArray[np.int64], buffers: list[pa.Buffer],
+        size: npt.NDArray[np.int64], buffers: list[pa.Buffer], mapped: list[tuple[mmap.mmap, int] | None] | None = None,
     ) -> PieceTable:
         """A table of arrays that the caller built consistent (of these dtypes, ``pyarrow.Buffer`` buffers): no checks."""
         table = cls.__new__(cls)
         table.pids, table.nrows, table.meta_of, table.metas = pids, nrows, meta_of, metas
         table.buffer_of, table.offset, table.size, table.buffers = buffer_of, offset, size, buffers
+        table.mapped = mapped
         return table
 
     @classmethod
@@ -290,8 +297,49 @@ class PieceTable(Sequence[PackedData]):
             raise IndexError(f"pieces {ix.min()}..{ix.max()} of a table of {len(self)}")
         return PieceTable._unchecked(
             self.pids[ix], self.nrows[ix], self.meta_of[ix], self.metas,
-            self.buffer_of[ix], self.offset[ix], self.size[ix], self.buffers,
+            self.buffer_of[ix], self.offset[ix], self.size[ix], self.buffers, self.mapped,
         )
+
+    def release_pages(self) -> int:
+        """Give the whole memory pages inside the pieces that lie in received shared-memory messages back to the OS.
+
+        For a consumer that has copied every byte it needs out of the pieces
+        (a rechunk's extract: :attr:`~mpshuffle.table.base.FrameAdapter.copies_pieces`)
+        and will not read them again: a received message's pages were freed
+        only when every piece of it was gone, and a message holds pieces of
+        all the partitions its receiver owns, so a rank held every message
+        it received until its last extract. ``madvise(MADV_REMOVE)`` on each
+        piece's whole pages (a page shared with a neighbouring piece stays)
+        frees them now. Pieces in other memory (pooled, heap, read back from
+        disk, an input block) are left alone. Afterwards the released bytes
+        read as zeros; the table forgets its mappings, so a second call does
+        nothing.
+
+        Returns
+        -------
+        int
+            Bytes given back.
+        """
+        mapped, self.mapped = self.mapped, None
+        if not mapped or not len(self.pids) or not hasattr(mmap, "MADV_REMOVE"):
+            return 0
+        page = mmap.PAGESIZE
+        released = 0
+        for b, where in enumerate(mapped):
+            if where is None:
+                continue
+            mapping, base = where
+            mine = self.buffer_of == b
+            starts = base + self.offset[mine]
+            ends = starts + self.size[mine]
+            order = np.argsort(starts, kind="stable")
+            lo = -(-starts[order] // page) * page
+            hi = ends[order] // page * page
+            for a, z in zip(lo.tolist(), hi.tolist(), strict=True):
+                if z > a:
+                    mapping.madvise(mmap.MADV_REMOVE, a, z - a)
+                    released += z - a
+        return released
 
     @property
     def address(self) -> npt.NDArray[np.uint64]:

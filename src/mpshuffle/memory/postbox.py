@@ -25,6 +25,7 @@ until its last piece is popped.
 from __future__ import annotations
 
 import itertools
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -134,6 +135,14 @@ def _high(values: npt.NDArray[np.int64] | int) -> int:
     return values if isinstance(values, int) else int(values.max())
 
 
+def _mapping_of(frame: Any, buffer: pa.Buffer) -> tuple[mmap.mmap, int] | None:
+    """``(mapping, offset of the frame in it)`` if ``frame`` is a memoryview of an ``mmap``, else ``None``."""
+    mapping = frame.obj if isinstance(frame, memoryview) else None
+    if not isinstance(mapping, mmap.mmap) or not buffer.size:
+        return None
+    return mapping, buffer.address - pa.py_buffer(mapping).address
+
+
 class Chunk:
     """The pieces of one received chunk, as compact arrays: one object whatever their number.
 
@@ -173,7 +182,7 @@ class Chunk:
     """
 
     __slots__ = (
-        "attempt", "data_bytes", "file_at", "frames", "frames_at", "input_index", "left", "metas", "nbytes",
+        "attempt", "data_bytes", "file_at", "frames", "frames_at", "input_index", "left", "mapped", "metas", "nbytes",
         "pieces", "reservation", "seq", "src",
     )
 
@@ -212,6 +221,12 @@ class Chunk:
         self.pieces = pieces
         self.metas = list(metas)
         self.frames: list[Any] | None = [f if isinstance(f, pa.Buffer) else pa.py_buffer(f) for f in frames]
+        #: Per frame, ``(mapping, offset)`` where it is a view of a shared
+        #: memory mapping (a message received through ``/dev/shm``), else
+        #: ``None``: what :meth:`PieceTable.release_pages` may give back.
+        self.mapped: list[tuple[mmap.mmap, int] | None] = [
+            _mapping_of(f, buf) for f, buf in zip(frames, self.frames, strict=True)
+        ]
         (_, _, meta_of, frame_of, offset, size), n = _expand_pieces(pieces)
         sizes = np.full(n, size, np.int64) if isinstance(size, int) else size
         if n:
@@ -303,6 +318,7 @@ class Postbox:
         self._metas: dict[bytes, int] = {}
         self._meta_list: list[bytes] = []
         self._frames: list[Any] = []
+        self._frame_maps: list[tuple[mmap.mmap, int] | None] = []  # per frame, Chunk.mapped
         # partition id -> [(segment, piece numbers in it)], filled by _index.
         self._where: dict[int, list[tuple[_Segment, npt.NDArray[Any]]]] = {}
         self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
@@ -343,6 +359,7 @@ class Postbox:
                 raise
             chunk.file_at = np.array([at for at, _ in ranges], np.int64)
             chunk.frames = None
+            chunk.mapped = []  # the mapping goes with its frames
             chunk.nbytes = sum(n for _, n in ranges)
             tier = MemoryType.DISK
         with self._lock:
@@ -401,8 +418,10 @@ class Postbox:
                 if c not in indexed:  # filed under its partitions: its pieces name global frame numbers
                     file_of_frame[ch.frames_at : ch.frames_at + len(frames)] = file_at
                     self._frames[ch.frames_at : ch.frames_at + len(frames)] = [None] * len(frames)
+                    self._frame_maps[ch.frames_at : ch.frames_at + len(frames)] = [None] * len(frames)
                 ch.file_at = file_at
                 ch.frames = None
+                ch.mapped = []  # the mapping goes with its frames
                 assert ch.reservation is not None
                 self._held[MemoryType.HOST] -= ch.reservation.nbytes
                 ch.reservation.release()
@@ -457,6 +476,7 @@ class Postbox:
             if ch.frames is not None:
                 ch.frames_at = len(self._frames)
                 self._frames.extend(ch.frames)
+                self._frame_maps.extend(ch.mapped)
                 frame_no.append(frame_of + ch.frames_at)
                 position.append(offset)
             else:
@@ -535,6 +555,7 @@ class Postbox:
             in_memory = pieces.frame >= 0
             frames, frame_at = np.unique(pieces.frame[in_memory], return_inverse=True)
             buffers = [self._frames[f] for f in frames.tolist()]
+            mapped = [self._frame_maps[f] for f in frames.tolist()]
             metas, meta_of = np.unique(pieces.meta, return_inverse=True)
             meta_list = [self._meta_list[m] for m in metas.tolist()]
         buffer_of = np.full(len(pieces.chunk), len(buffers), np.int32)
@@ -557,6 +578,7 @@ class Postbox:
         table = PieceTable._unchecked(
             np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows.astype(np.int64),
             meta_of.astype(np.int32), meta_list, buffer_of, offset, pieces.size.astype(np.int64), buffers,
+            mapped + [None] * (len(buffers) - len(mapped)) if any(m is not None for m in mapped) else None,
         )
         with self._lock:
             self._done(pieces.chunk)
@@ -605,6 +627,7 @@ class Postbox:
                 reservation.release()
             if ch.frames is not None:
                 self._frames[ch.frames_at : ch.frames_at + len(ch.frames)] = [None] * len(ch.frames)
+                self._frame_maps[ch.frames_at : ch.frames_at + len(ch.frames)] = [None] * len(ch.frames)
             self._chunks[c] = None  # its frames go now
 
     @property

@@ -31,9 +31,16 @@ class FrameAdapter(ABC):
     ----------
     name
         Short name of the frame library, e.g. ``"pandas"``.
+    copies_pieces
+        Whether :meth:`unpack`'s result holds copies of every byte of the
+        pieces, never views of them: then the extract task gives the pieces'
+        received shared memory back as soon as it has unpacked them
+        (:meth:`~mpshuffle.memory.packed.PieceTable.release_pages`). False
+        by default: a frame's columns may be zero-copy views of the pieces.
     """
 
     name: ClassVar[str]
+    copies_pieces: ClassVar[bool] = False
 
     @abstractmethod
     def matches(self, obj: object) -> bool:

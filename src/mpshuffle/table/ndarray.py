@@ -241,6 +241,8 @@ class NDArrayAdapter(FrameAdapter):
     """
 
     name: ClassVar[str] = "numpy-block"
+    #: :meth:`unpack` copies every cut into fresh output blocks.
+    copies_pieces: ClassVar[bool] = True
 
     def __init__(
         self, dtype: Any, plan: BlockPlan | None = None, block: Sequence[int] | None = None, *,
