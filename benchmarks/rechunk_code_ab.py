@@ -7,7 +7,9 @@ switching off :func:`mpshuffle.dask.rechunk.aligned_per_partition`), cluster
 ``after`` this checkout's code; P2P and tasks run on the ``after`` cluster
 (Dask's code is the same in both). Variant ``after-copysent`` is
 ``after`` with the pieces for other ranks copied, never sent as views
-(``VIEW_SEND_SLACK`` set to 0 on the workers for the run). Each cluster is 2 workers x 1 thread of
+(``VIEW_SEND_SLACK`` set to 0 on the workers for the run); ``after-norelease``
+is ``after`` without giving received memory back at extract
+(``NDArrayAdapter.copies_pieces`` false on the workers). Each cluster is 2 workers x 1 thread of
 16 GiB with the same persisted input; the variants take turns in rotated
 order, one at a time (the other cluster idles). Every output block is
 checked, CPU and peak are each cluster's own (``rechunk_bench._one``).
@@ -55,6 +57,12 @@ def _send_slack(value: float) -> None:
     nd.VIEW_SEND_SLACK = value
 
 
+def _release(value: bool) -> None:
+    from mpshuffle.table.ndarray import NDArrayAdapter
+
+    NDArrayAdapter.copies_pieces = value
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("case", choices=("time-to-space", "space-to-time"))
@@ -95,6 +103,8 @@ def main() -> None:
                 for v in variants[r % len(variants):] + variants[: r % len(variants)]:
                     name = "before" if v == "before" else "after"
                     slack = 0.0 if v == "after-copysent" else 1.125
+                    if name == "after":
+                        clusters["after"][1].run(_release, v != "after-norelease")
                     method = v if v in ("p2p", "tasks") else "mpshuffle"
                     client = clusters[name][1]
                     if v == "before":
