@@ -37,9 +37,9 @@ __all__ = [
 # 2,000-row frame) than a plan.
 DEFAULT_MAX_NPARTITIONS = 100_000
 
-# Only the options are registered (dask.config holds exactly Options'
-# defaults); the graph limit's default lives in max_npartitions.
-dask.config.update_defaults({"mpshuffle": Options().as_dict()})
+# Registered with dask.config: the options (exactly Options' defaults) and
+# the graph limit, so dask.config.get("mpshuffle") lists every setting.
+dask.config.update_defaults({"mpshuffle": {**Options().as_dict(), "max-npartitions": DEFAULT_MAX_NPARTITIONS}})
 
 # Options whose value None means something (rather than "not given").
 _NONE_IS_A_VALUE = ("spill_dir", "pool_size", "listen_interface", "port")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import dask.config
 import pytest
 
-from mpshuffle.config import Options, resolve_options
+from mpshuffle.config import Options, max_npartitions, resolve_options
 from mpshuffle.errors import OptionError
 
 VALID = [f.name for f in dataclasses.fields(Options)]
@@ -37,8 +37,11 @@ def test_shipped_defaults_are_registered_with_dask_config(clean_env: pytest.Monk
         spill_device=0.5, pool_size=None, batch_bytes=4 * 2**20, shared_memory=True,
         preload_kernels=True, listen_interface=None, port=None,
     )
-    # The defaults are written once, in Options: dask.config holds exactly them.
-    assert dask.config.get("mpshuffle") == Options().as_dict()
+    # The defaults are written once, in Options: dask.config holds exactly them,
+    # and the graph limit (not an option of a generation) beside them.
+    assert dask.config.get("mpshuffle") == {**Options().as_dict(), "max-npartitions": 100_000}
+    assert dask.config.get("mpshuffle.max-npartitions") == dask.config.get("mpshuffle.max_npartitions") == 100_000
+    assert max_npartitions() == 100_000
 
 
 def test_environment_overrides_defaults_and_kwargs_override_both(clean_env: pytest.MonkeyPatch) -> None:
