@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -180,3 +182,25 @@ def test_no_progress_bar_without_a_terminal(monkeypatch: pytest.MonkeyPatch) -> 
     with progress_bar(3, "shuffle", "partition", off=False) as bar:
         assert not bar.disable
     assert progress_bar(3, "shuffle", "partition", off=True).disable
+
+
+_KERNELS_CACHED = """
+import pandas as pd
+
+from mpshuffle.demo.job import kernels_cached
+from mpshuffle.table import PandasAdapter
+
+assert kernels_cached() is False  # an empty cache: a run would compile
+pieces = PandasAdapter().split_for(pd.DataFrame({"k": range(50)}), ["k"], 4, None, rank=0, nranks=2)
+assert sum(p.nrows for p in pieces.values()) == 50
+assert kernels_cached() is True  # the insert compiled its kernels into it
+print("ok")
+"""
+
+
+def test_demo_knows_whether_this_run_compiles_the_kernels(tmp_path: Path) -> None:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    proc = subprocess.run([sys.executable, "-c", _KERNELS_CACHED], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok")

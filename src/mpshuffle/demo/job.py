@@ -47,6 +47,8 @@ def run(args: Any) -> int:
     from mpshuffle.dask import bootstrap_dask_cluster
     from mpshuffle.demo import tpch
 
+    # Before any worker runs: whether this run will compile the kernels.
+    compiles = not kernels_cached()
     ncores = psutil.cpu_count(logical=True) or 2
     nworkers = max(2, ncores) if args.workers is None else args.workers
     memory_limit = int(psutil.virtual_memory().total * 0.8 / nworkers)
@@ -93,14 +95,44 @@ def run(args: Any) -> int:
                 print(f"Dask P2P  {p2p:.2f} s, {nbytes / 1e6 / p2p:,.1f} MB/s, same data and cluster "
                       f"(verified: {'OK' if p2p_ok else 'FAILED'})")
                 print(f"mpshuffle {p2p / seconds:.1f}x as fast as Dask P2P here. MB/s depend on the machine "
-                      "and its load; the ratio in one run is what compares with the README's 'Measured'. "
-                      "The first run after installing also compiles mpshuffle's kernels (numba): run it "
-                      "again for the steady figure.")
+                      "and its load; the ratio in one run is what compares with the README's 'Measured'.")
+                if compiles:
+                    print("This run also compiled mpshuffle's kernels (numba's cache had none: the first run "
+                          "after installing): run it again for the steady figure.")
             join_ok = _join(df, root, npartitions, disable=args.no_progress)
             return 0 if ok and join_ok else 1
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+def kernels_cached() -> bool:
+    """Whether numba's cache holds mpshuffle's insert kernels already (else the first shuffle compiles them).
+
+    Looks for the kernels' cache index files (``_insert_kernels.*.nbi``)
+    where numba keeps them: in ``NUMBA_CACHE_DIR`` alone when it is set,
+    else in the ``__pycache__`` beside the module and in numba's per-user
+    cache directory (used where the package's directory is not writable).
+
+    Returns
+    -------
+    bool
+        ``True`` if an index file is found in any of those places.
+    """
+    from pathlib import Path
+
+    import numba
+
+    from mpshuffle.table import _insert_kernels
+
+    source = Path(_insert_kernels.__file__)
+    pattern = f"{source.stem}.*.nbi"
+    cache_dir = getattr(numba.config, "CACHE_DIR", "")  # NUMBA_CACHE_DIR, or ""
+    if cache_dir:  # numba then uses this directory alone
+        places = [Path(cache_dir)]
+    else:
+        places = [source.parent / "__pycache__", Path(os.path.expanduser("~")) / ".cache" / "numba"]
+    return any(place.is_dir() and next(place.rglob(pattern), None) is not None for place in places)
 
 
 def _timed_shuffle(df: Any, npartitions: int, method: str, no_progress: bool) -> tuple[float, bool]:
