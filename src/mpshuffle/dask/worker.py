@@ -185,8 +185,8 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         from mpshuffle.table.warm import paused
 
         # The kernels' warm-up (a thread) waits while this rank bootstraps:
-        # its stretches of GIL slowed every message of the rendezvous (2.2 s
-        # against 0.03 s for a 16-worker cluster's first graph).
+        # its stretches of GIL slowed every message of the rendezvous (16
+        # workers on the 2-core machine: 3.5 s against 0.25 s).
         with paused():
             return await self._join_paused(spec)
 

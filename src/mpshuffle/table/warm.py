@@ -51,11 +51,11 @@ def paused() -> Iterator[None]:
     the loop then gets it back only at the interpreter's switch interval
     (5 ms) per hand-off. Measured on the 2-core development machine with 16
     workers: a bootstrap took 3.5 s while the kernels loaded and 0.25 s
-    after; the first config-line shuffle of a fresh 16-worker cluster on
-    the lent 16-core host built its graph (which bootstraps) in 2.2-2.4 s
-    against 0.03 s for the second. The warm-up finishes the step it is in
-    (one or two signatures, at most ~0.2 s) and waits. Holds nest; the
-    body may be asynchronous code (nothing here blocks).
+    after. (On the lent 16-core host a fresh 16-worker cluster's first graph
+    also took 2.2-3.6 s against 0.03 s, but pausing did not change that:
+    its cause there is another.) The warm-up finishes the step it is in
+    (one or two signatures: ~0.2 s loading, longer where it compiles) and
+    waits. Holds nest; the body may be asynchronous code (nothing here blocks).
     """
     with _PAUSE:
         _HOLDERS[0] += 1
