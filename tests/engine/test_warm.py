@@ -1,4 +1,4 @@
-"""warm_up loads the kernel signatures that inserts of the common column types use."""
+"""warm_up loads the kernel signatures that inserts and extracts of the common column types use."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ _SCRIPT = textwrap.dedent(
             for pool in (None, HostPool(2**26)):
                 pieces = adapter.split_for(frame, on, npartitions, None, rank=1, nranks=3, pool=pool)
                 assert sum(p.nrows for p in pieces.values()) == n
+                # The extract's kernels too (gather, layouts): all pieces back into one frame.
+                back = adapter.unpack(list(pieces.values()), frame.iloc[:0])
+                assert sorted(back["key"]) == sorted(frame["key"]) and list(back.dtypes) == list(frame.dtypes)
         ids = rng.integers(0, npartitions, n)
         pieces = adapter.split_for(frame, ["key"], npartitions, ids, rank=0, nranks=2)
         assert {p: q.nrows for p, q in pieces.items()} == dict(zip(*np.unique(ids, return_counts=True)))

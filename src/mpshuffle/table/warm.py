@@ -1,4 +1,4 @@
-"""Load the insert's compiled kernels ahead of the first insert: :func:`warm_up`.
+"""Load the insert's and the extract's compiled kernels ahead of the first shuffle: :func:`warm_up`.
 
 The kernels (:mod:`mpshuffle.table._kernels`) are numba functions compiled
 once per machine into numba's cache, but every process still loads them on
@@ -82,7 +82,10 @@ def warm_up() -> float:
     ``datetime64`` key, by given ``int64`` partition ids (a sort's), and by
     pandas' row hash of an ``int64``, ``float64`` or (hashed) ``str`` key
     (Dask's rule, :class:`~mpshuffle.table.hashing.PandasRowHash`), into
-    60 and 300 partitions; the pieces are dropped. It stops early once
+    60 and 300 partitions; the 60 partitions' pieces of each hashed split are
+    then extracted into one frame (:meth:`PandasAdapter.unpack`, the gather
+    and layout kernels of :mod:`mpshuffle.table._gather`, which every extract
+    of such columns calls), and dropped. It stops early once
     an insert of this process asked for the kernels (that insert loads what
     it needs; on a worker that starts shuffling at once, loading the rest
     would only take CPU from it), and waits between steps while :func:`paused`
@@ -156,7 +159,12 @@ def warm_up() -> float:
                         hashed = key.dtype.kind not in "iufb"
                         column = pd.util.hash_pandas_object(key, index=False).to_numpy() if hashed else key.to_numpy()
                         ids = PandasRowHash((column,), (hashed,))
-                    adapter.split_for(frame[names], on, npartitions, ids, rank=0, nranks=2)
+                    pieces = adapter.split_for(frame[names], on, npartitions, ids, rank=0, nranks=2)
+                    if npartitions == PARTITION_COUNTS[0] and placed != "ids":
+                        # The extract's kernels (gather, layouts) for these
+                        # columns: without this the first extract loads
+                        # them (compiles them, on an empty cache).
+                        adapter.unpack(list(pieces.values()), frame[names].iloc[:0])
         finally:
             _columns.WARMING.on = False
         # Loading the kernels leaves ~34,000 objects of cyclic garbage; left
