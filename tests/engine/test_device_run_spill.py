@@ -155,6 +155,47 @@ def test_worker_context_gives_the_device_run_its_spill_directory(tmp_path: Any) 
     assert [ctx.resource.used(mt) for mt in MemoryType] == [0, 0, 0]
 
 
+def test_worker_context_sets_up_the_gpu_at_its_first_device_run_not_at_creation(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Setting up a GPU (CuPy, a CUDA context, the pool) took ~2 s per worker on a
+    # GPU host: a context whose runs are all host runs must never do it.
+    from mpshuffle.config import resolve_options
+    from mpshuffle.shuffler import context as context_module
+    from mpshuffle.shuffler.device import DeviceState
+
+    calls: list[int] = []
+    closed: list[int] = []
+
+    class Recorded(DeviceState):
+        def close(self) -> None:
+            closed.append(self.device)
+            super().close()
+
+    def setup(options: Any, rank: int) -> DeviceState:
+        calls.append(rank)
+        return Recorded(0, 12345, 0)
+
+    monkeypatch.setattr(context_module, "setup_device", setup)
+    options = resolve_options(spill_dir=str(tmp_path))
+    unused = context_module.WorkerContext(LocalCommunicator(), "gen2", options, workers=("w0",))
+    unused.shuffler(1)  # a host run
+    unused.close()
+    assert calls == [] and closed == []
+    ctx = context_module.WorkerContext(LocalCommunicator(), "gen3", options, workers=("w0",))
+    try:
+        ctx.shuffler(1)
+        assert calls == [] and MemoryType.DEVICE not in ctx.resource.limits
+        assert isinstance(ctx.shuffler(2, device=True), DeviceRun)
+        state = ctx.device
+        assert isinstance(state, Recorded) and calls == [0]
+        assert ctx.device is state and calls == [0]  # once
+        assert ctx.resource.limit(MemoryType.DEVICE) == 12345
+    finally:
+        ctx.close()
+    assert closed == [0]
+
+
 def _disk_full_after(monkeypatch: pytest.MonkeyPatch, ok_writes: int) -> dict[str, int]:
     from mpshuffle.memory import spill as spill_module
 

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
     from mpshuffle.memory.resource import BufferResource, Reservation
 
-__all__ = ["ALIGNMENT", "HostPool"]
+__all__ = ["ALIGNMENT", "HostPool", "aligned_empty"]
 
 #: Every range starts at a multiple of this many bytes (Arrow's alignment).
 ALIGNMENT = 64
@@ -75,7 +75,9 @@ def _classes(cls: int) -> tuple[int, int, int]:
     return cls, size_class(cls + cls // 8), size_class(cls + cls // 4)
 
 
-def _aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
+def aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A new, uninitialised 1-D ``uint8`` array of ``nbytes`` whose data starts at a multiple of
+    :data:`ALIGNMENT` bytes (a pool's fresh block where no ``fresh`` function is given)."""
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start : start + nbytes]
@@ -126,7 +128,7 @@ class HostPool:
         self.fresh_bytes = 0
         self.retain = True
         self._resource = resource
-        self._fresh = fresh or _aligned_empty
+        self._fresh = fresh or aligned_empty
         self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
         self._idle = 0
         # Reentrant: a buffer collected by the garbage collector while this

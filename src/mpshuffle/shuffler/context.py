@@ -12,8 +12,8 @@ from mpshuffle.errors import PartitionGoneError, ShuffleError
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.memory.allocator import use_system_allocator
 from mpshuffle.memory.device import pinned_empty
-from mpshuffle.memory.pool import HostPool
-from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, setup_device
+from mpshuffle.memory.pool import HostPool, aligned_empty
+from mpshuffle.shuffler.device import DEVICE_TAG, DeviceRun, DeviceState, setup_device
 from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
 from mpshuffle.shuffler.host import TAG, Shuffler
 from mpshuffle.shuffler.run import Run
@@ -99,7 +99,12 @@ class WorkerContext:
     device
         This rank's GPU (:class:`~mpshuffle.shuffler.device.DeviceState`: device
         id, ``spill_device`` budget, ``pool_size`` pool), or ``None`` where
-        CuPy or a GPU is missing.
+        CuPy or a GPU is missing. Set up on first use (the first device run,
+        or reading this attribute), not with the context: setting it up
+        imports CuPy and makes a CUDA context (with ``pool_size``, reserves
+        the pool), which took ~2 s per worker on the lent 16-core GPU host,
+        where 16 CPU workers sharing its one GPU each made a context on it at
+        every fresh cluster's first graph. A CPU shuffle never pays that.
     """
 
     def __init__(
@@ -124,12 +129,12 @@ class WorkerContext:
         if len(workers) == comm.nranks:
             # Errors name ranks by their workers (what a Dask user knows), not by mpshuffle's own sockets.
             comm.set_peer_names([f"worker {w}" for w in workers])
-        self.device = setup_device(options, comm.rank)
+        self._device: DeviceState | None = None
+        self._device_ready = False
+        self._device_lock = threading.Lock()
         limits: dict[MemoryType, int | None] = {
             MemoryType.HOST: options.host_budget(memory_limit, ceiling=memory_ceiling, in_use=memory_in_use)
         }
-        if self.device is not None:
-            limits[MemoryType.DEVICE] = self.device.budget
         self.resource = BufferResource(
             limits,
             spill_dir=options.spill_dir or local_directory,
@@ -146,7 +151,9 @@ class WorkerContext:
         # Device runs' spilled buffers and transfers: page-locked where there is
         # a GPU (fresh page-locked memory costs what a copy into it saves, so it
         # pays only where reused: across spills and runs, within the budget).
-        fresh = pinned_empty if self.device is not None else None
+        # Only device runs take blocks from these pools, so the GPU is known
+        # (set up) by the time the first block is made.
+        fresh = self._fresh_block
         spill_pool = HostPool(_POOL_DEFAULT if budget is None else budget, self.resource,
                               per_class=2**16, fresh=fresh)
         self.resource.add_reclaimer(MemoryType.HOST, spill_pool.trim)
@@ -170,6 +177,32 @@ class WorkerContext:
         comm.register_handler(DEVICE_TAG, self._on_message)
         comm.on_peer_lost(self._on_peer_lost)
         comm.on_unsent(self._on_unsent)
+
+    @property
+    def device(self) -> DeviceState | None:
+        """This rank's GPU, set up on first use (see the class's attributes); ``None`` without one.
+
+        Raises
+        ------
+        MemoryError
+            If the ``pool_size`` reservation does not fit on the device (then
+            every later use tries again).
+        """
+        if not self._device_ready:
+            with self._device_lock:
+                if not self._device_ready:
+                    state = setup_device(self.options, self.rank)
+                    if state is not None:
+                        # A device budget given to the resource before (a
+                        # test's, an owner's) stays.
+                        self.resource.limits.setdefault(MemoryType.DEVICE, state.budget)
+                    self._device = state
+                    self._device_ready = True
+        return self._device
+
+    def _fresh_block(self, nbytes: int) -> Any:
+        """A new block for the device runs' host pools: page-locked where this rank has a GPU."""
+        return pinned_empty(nbytes) if self.device is not None else aligned_empty(nbytes)
 
     def shuffler(
         self, op_id: int, *, device: bool = False, timeout: float | None = None, batch_bytes: int | None = None
@@ -364,8 +397,8 @@ class WorkerContext:
         for s in shufflers:
             s.fail(ShuffleError(f"generation {self.generation} was closed on rank {self.rank}"))
             s.close()
-        if self.device is not None:
-            self.device.close()
+        if self._device is not None:
+            self._device.close()
         self.pool.close()
         for p in (self.blocks.spill, self.blocks.stage):
             if p is not None:
