@@ -125,11 +125,11 @@ def _cpu(pids: list[int]) -> float:
 
 
 def run_once(client: Client, df: dd.DataFrame, on: str, npartitions: int, method: str,
-             nbytes: int, rows: int) -> dict[str, Any]:
+             nbytes: int, rows: int, *, trim: bool = True, sample: float = 0.02) -> dict[str, Any]:
     pids = list(client.run(os.getpid).values())
     before = sum(psutil.Process(p).memory_info().rss for p in pids)
     cpu0, t0 = _cpu(pids), time.perf_counter()
-    with _Sampler(pids) as sampler:
+    with _Sampler(pids, sample if sample > 0 else 3600.0) as sampler:
         out = shuffled(method, df, on, npartitions).persist()
         wait(out)
     seconds = time.perf_counter() - t0
@@ -139,7 +139,8 @@ def run_once(client: Client, df: dd.DataFrame, on: str, npartitions: int, method
     if got != rows:
         raise RuntimeError(f"{method} returned {got} rows of {rows}")
     del out
-    client.run(_trim)
+    if trim:
+        client.run(_trim)
     return {"method": method, "seconds": seconds, "mb_per_s": nbytes / 1e6 / seconds,
             "worker_cpu_seconds": cpu, "worker_cpu_s_per_gb": cpu / (nbytes / 1e9),
             # The workers' largest summed RSS during the run (samples every
@@ -225,6 +226,10 @@ def main() -> None:
                         help="also: a fresh cluster per method, its first and second shuffle")
     parser.add_argument("--pregrow-gib", type=float, default=0.0,
                         help="touch and free this much memory in a child process first (a VM that grows on use)")
+    parser.add_argument("--no-trim", action="store_true",
+                        help="leave the workers' freed memory with malloc (no gc.collect + malloc_trim after each run)")
+    parser.add_argument("--sample", type=float, default=0.02,
+                        help="seconds between samples of the workers' RSS (0: one sample at the start)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "config_line.json"))
     args = parser.parse_args()
     methods = list(dict.fromkeys(args.methods))
@@ -278,7 +283,8 @@ def main() -> None:
             for r in range(args.repeats):
                 order = methods[r % len(methods):] + methods[: r % len(methods)]
                 for m in order:
-                    out = run_once(client, data, on, npartitions, m, nbytes, rows)
+                    out = run_once(client, data, on, npartitions, m, nbytes, rows,
+                                   trim=not args.no_trim, sample=args.sample)
                     out["round"] = r
                     runs.append(out)
                     print(f"round {r} {m:9s} {out['seconds']:7.2f} s {out['mb_per_s']:7.0f} MB/s "
