@@ -9,8 +9,9 @@
 #   ab16      the config line alone at 16 workers, 3 runs each: as config_line_bench runs it (gc.collect
 #             and malloc_trim after each run, the workers' RSS sampled every 20 ms), without the trim,
 #             and without the sampling: which of them doubles the CPU per GB against first_shuffle_tasks
-#   config16  the config line at 16 workers, 120 -> 120, 0.7 GB per worker, a fresh cluster's first
-#             shuffle per method (--first), then 2 rounds in turns
+#   config16  the config line at 16 workers, 120 -> 120, 0.7 GB per worker, 2 rounds of the four
+#             methods in turns
+#   first16   a fresh cluster's first and second shuffle at 16 workers (config line, function)
 #   config2   the same at 2 workers (the per-worker figure that 16 workers are held against)
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
@@ -32,9 +33,12 @@ for step in "$@"; do
     ab16) for v in default --no-trim "--sample 0"; do echo "--- $v"; timeout 200 python3 benchmarks/config_line_bench.py \
                 --workers 16 --partitions 120 --rows 2121212 --memory-limit 6 --repeats 3 --methods config \
                 $( [ "$v" = default ] || echo $v ) --out "$OUT/config_line-16w-s17-ab-${v//[ -]/}.json" 2>&1 | quiet | tail -8; done ;;
-    config16) timeout 560 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 \
-                --rows 2121212 --memory-limit 6 --repeats 2 --first --pregrow-gib 60 \
-                --out "$OUT/config_line-h200-16w-s17.json" 2>&1 | quiet | tail -40 ;;
+    config16) timeout 300 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 \
+                --rows 2121212 --memory-limit 6 --repeats 2 \
+                --out "$OUT/config_line-h200-16w-s17.json" 2>&1 | quiet | tail -16 ;;
+    first16) timeout 300 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 \
+                --rows 2121212 --memory-limit 6 --repeats 1 --first --methods config function \
+                --out "$OUT/config_line-h200-16w-first-s17.json" 2>&1 | quiet | tail -4 ;;
     config2) timeout 400 python3 benchmarks/config_line_bench.py --workers 2 --partitions 120 \
                 --rows 265151 --memory-limit 6 --repeats 3 --first \
                 --out "$OUT/config_line-h200-2w-s17.json" 2>&1 | quiet | tail -40 ;;
