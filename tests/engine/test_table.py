@@ -790,13 +790,42 @@ def test_owned_numeric_columns_become_writable_views_without_a_copy() -> None:
     assert got["f64"].iloc[3] == -1.0 and got["i64"].iloc[4] == 7
 
 
+@pytest.mark.parametrize("unit", ["s", "ms", "us", "ns"])
+def test_owned_timestamp_and_duration_columns_become_writable_views_without_a_copy(unit: str) -> None:
+    from mpshuffle.table.pandas import _owned_to_pandas
+
+    n = 40
+    stamps = np.arange(n, dtype=np.int64) * 86_400 + 10**6
+    spans = np.arange(n, dtype=np.int64) * 7
+    nulls = pa.array([None if i % 5 == 0 else i for i in range(n)], pa.timestamp(unit))
+    table, _ = _owned_table(n, {
+        "t": pa.Array.from_buffers(pa.timestamp(unit), n, [None, pa.py_buffer(stamps)]),
+        "d": pa.Array.from_buffers(pa.duration(unit), n, [None, pa.py_buffer(spans)]),
+        "tnull": nulls,  # converted (NaT written) as before
+    })
+    got = _owned_to_pandas(table)
+    assert got is not None
+    expected = table.to_pandas(use_threads=False)
+    pd.testing.assert_frame_equal(got, expected)
+    assert got["t"].dtype == np.dtype(f"datetime64[{unit}]") and got["d"].dtype == np.dtype(f"timedelta64[{unit}]")
+    assert np.shares_memory(np.asarray(got["t"].array), stamps)
+    assert np.shares_memory(np.asarray(got["d"].array), spans)
+    assert got["tnull"].isna().sum() == 8
+    got.loc[2, "t"] = pd.Timestamp("2001-02-03")
+    assert got["t"].iloc[2] == pd.Timestamp("2001-02-03")
+    assert got["t"].iloc[3] == expected["t"].iloc[3]
+
+
 def test_owned_conversion_declines_what_would_come_out_read_only() -> None:
     from mpshuffle.table.pandas import _owned_to_pandas
 
     n = 8
-    stamps = pa.array(np.arange(n).astype("datetime64[ns]"))
-    table, _ = _owned_table(n, {"t": stamps})
-    assert _owned_to_pandas(table) is None  # a timestamp column: converted as before
+    zoned = pa.array(np.arange(n).astype("datetime64[ns]")).cast(pa.timestamp("ns", tz="UTC"))
+    table, _ = _owned_table(n, {"t": zoned})
+    assert _owned_to_pandas(table) is None  # a timestamp with a time zone: converted as before
+    days = pa.array(np.arange(n).astype("datetime64[D]"), pa.date32())
+    table, _ = _owned_table(n, {"day": days})
+    assert _owned_to_pandas(table) is None  # a date column: converted as before
     frozen = pa.Array.from_buffers(pa.float64(), n, [None, pa.py_buffer(bytes(8 * n))])  # immutable
     assert _owned_to_pandas(pa.table({"x": frozen})) is None
     two_chunks = pa.table({"x": pa.chunked_array([np.arange(3.0), np.arange(2.0)])})

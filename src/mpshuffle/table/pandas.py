@@ -225,10 +225,21 @@ def _objects_round_trip_index(frame: pd.DataFrame, index_columns: Sequence[Colum
     return True
 
 
+def _zero_copy_dtype(t: pa.DataType) -> np.dtype[Any] | None:
+    """The NumPy dtype a frame column of Arrow type ``t`` can view without a copy, or ``None``."""
+    if (pa.types.is_integer(t) or pa.types.is_floating(t)) and t != pa.float16():
+        return np.dtype(t.to_pandas_dtype())
+    if pa.types.is_timestamp(t) and t.tz is None and t.unit in ("s", "ms", "us", "ns"):
+        return np.dtype(f"datetime64[{t.unit}]")
+    if pa.types.is_duration(t) and t.unit in ("s", "ms", "us", "ns"):
+        return np.dtype(f"timedelta64[{t.unit}]")
+    return None
+
+
 def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
     """``table.to_pandas()`` without copying its integer and float columns, for a table this process wrote.
 
-    ``to_pandas`` copies every numeric column into a new consolidated block:
+    ``to_pandas`` copies every numeric and time column into a new consolidated block:
     for a gathered partition (:func:`~mpshuffle.table._columns.gather`, whose
     buffers are fresh numpy arrays nothing else holds) that is a second copy
     of most of the output's bytes into fresh pages, with both copies alive
@@ -238,10 +249,12 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
     mutable: the gather's own array), so the frame behaves as one from
     ``to_pandas`` does (its columns can be set in place).
 
-    Returns ``None`` (the caller converts as usual) where a column of another
-    fixed-width type (timestamps, durations, decimals, ...) would also come out
-    read-only, or where a numeric column's buffer cannot be matched to a
-    writable view (several chunks, an immutable buffer).
+    Integer, float, timezone-naive timestamp and duration columns (units
+    ``s``, ``ms``, ``us``, ``ns``, which pandas holds as they are) are taken
+    this way. Returns ``None`` (the caller converts as usual) where a column of
+    another fixed-width type (timestamps with a time zone, dates, decimals,
+    ...) would also come out read-only, or where such a column's buffer cannot
+    be matched to a writable view (several chunks, an immutable buffer).
 
     Parameters
     ----------
@@ -259,7 +272,8 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
         t = column.type
         if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_boolean(t):
             continue  # Arrow-backed strings, or converted (copied) as today
-        if not (pa.types.is_integer(t) or pa.types.is_floating(t)) or t == pa.float16():
+        dtype = _zero_copy_dtype(t)
+        if dtype is None:
             return None
         if column.null_count:
             continue  # converted through float or nullable: copied as today
@@ -269,7 +283,7 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
         data = chunk.buffers()[1]
         if data is None or not data.is_mutable:
             return None
-        view = np.frombuffer(data, np.dtype(t.to_pandas_dtype()))[chunk.offset : chunk.offset + len(chunk)]
+        view = np.frombuffer(data, dtype)[chunk.offset : chunk.offset + len(chunk)]
         views[view.__array_interface__["data"][0]] = view
     if not views or not table.num_rows:
         return None
@@ -277,7 +291,11 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
     columns: dict[int, Any] = {}
     for i in range(frame.shape[1]):
         array = frame.iloc[:, i].array
-        values = array.to_numpy() if isinstance(array, pd.arrays.NumpyExtensionArray) else None
+        values = None
+        if isinstance(array, pd.arrays.NumpyExtensionArray):
+            values = array.to_numpy()
+        elif isinstance(array, (pd.arrays.DatetimeArray, pd.arrays.TimedeltaArray)) and array.dtype.kind in "mM":
+            values = np.asarray(array)  # the array's own datetime64/timedelta64 values (tz-naive)
         if values is not None and not values.flags.writeable:
             # A zero-copy view of the table (a converted column, e.g. one with
             # nulls, is a fresh writable array and stays as it is).
