@@ -12,11 +12,14 @@
 #   config16  the config line at 16 workers, 120 -> 120, 0.7 GB per worker, 2 rounds of the four
 #             methods in turns
 #   first16   a fresh cluster's first and second shuffle at 16 workers (config line, function)
+#   tpch2     TPC-H lineitem at SF 1 (16 parquet parts, 16 -> 16) through the config line, 2 workers: a
+#             fresh cluster's first shuffle per method, then 2 rounds of the four methods in turns
+#   tpch16    the same at 16 workers, 2 rounds of the four methods (tpchgen-cli carried as a wheel)
 #   config2   the same at 2 workers (the per-worker figure that 16 workers are held against)
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src:/tmp/site" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
 OUT=${OUT:-/tmp/out}
 quiet() { grep -v "^distributed\|Warning\|warn\|^20[0-9][0-9]-" ; }
 for step in "$@"; do
@@ -39,6 +42,10 @@ for step in "$@"; do
     first16) timeout 300 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 \
                 --rows 2121212 --memory-limit 6 --repeats 1 --first --methods config function \
                 --out "$OUT/config_line-h200-16w-first-s17.json" 2>&1 | quiet | tail -4 ;;
+    tpch2) timeout 300 python3 benchmarks/config_line_bench.py --data lineitem --sf 1 --parts 16 --workers 2 \
+                --memory-limit 8 --repeats 2 --first --out "$OUT/config_line-lineitem-h100-2w-s17.json" 2>&1 | quiet | tail -14 ;;
+    tpch16) timeout 200 python3 benchmarks/config_line_bench.py --data lineitem --sf 1 --parts 16 --workers 16 \
+                --memory-limit 6 --repeats 2 --out "$OUT/config_line-lineitem-h100-16w-s17.json" 2>&1 | quiet | tail -10 ;;
     config2) timeout 400 python3 benchmarks/config_line_bench.py --workers 2 --partitions 120 \
                 --rows 265151 --memory-limit 6 --repeats 3 --first \
                 --out "$OUT/config_line-h200-2w-s17.json" 2>&1 | quiet | tail -40 ;;
