@@ -34,9 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from mpshuffle.errors import SpillError
+from mpshuffle.memory.pool import ALIGNMENT, aligned_empty
 
 __all__ = ["ALIGNMENT", "SpillDirectory", "remove_orphans"]
 
@@ -44,16 +43,13 @@ logger = logging.getLogger(__name__)
 
 LOCK_SUFFIX = ".lock"
 
-# Arrow's buffers are 64-byte aligned; keeping spilled buffers on that
-# boundary lets readers use them in place instead of realigning (copying).
-ALIGNMENT = 64
+# Arrow's buffers are 64-byte aligned (ALIGNMENT); keeping spilled buffers on
+# that boundary lets readers use them in place instead of realigning (copying).
 
 
 def _aligned_empty(nbytes: int) -> memoryview:
     """A writable buffer of ``nbytes`` bytes whose start is ALIGNMENT-aligned."""
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    return raw[start : start + nbytes].data
+    return aligned_empty(nbytes).data
 
 
 class SpillDirectory:

@@ -274,7 +274,7 @@ class DiskTier:
         -------
         list of memoryview
             One view per range, of that range's bytes (zero-copy slices of
-            one buffer, each starting at an :data:`~mpshuffle.memory.spill.ALIGNMENT`
+            one buffer, each starting at an :data:`~mpshuffle.memory.pool.ALIGNMENT`
             boundary).
 
         Raises
@@ -293,7 +293,7 @@ class DiskTier:
         """Read the ``(offset, nbytes)`` ranges back into one aligned host buffer: it and where each starts.
 
         As :meth:`get` without a view per range (positions are multiples of
-        :data:`~mpshuffle.memory.spill.ALIGNMENT`).
+        :data:`~mpshuffle.memory.pool.ALIGNMENT`).
 
         Raises
         ------
