@@ -194,6 +194,13 @@ def test_worker_context_sets_up_the_gpu_at_its_first_device_run_not_at_creation(
     finally:
         ctx.close()
     assert closed == [0]
+    # Asked for a device pool (pool_size), the context reserves it up front.
+    eager = context_module.WorkerContext(
+        LocalCommunicator(), "gen4", resolve_options(spill_dir=str(tmp_path), pool_size=0.25), workers=("w0",)
+    )
+    assert calls == [0, 0] and eager.resource.limit(MemoryType.DEVICE) == 12345
+    eager.close()
+    assert closed == [0, 0]
 
 
 def _disk_full_after(monkeypatch: pytest.MonkeyPatch, ok_writes: int) -> dict[str, int]:

@@ -100,7 +100,8 @@ class WorkerContext:
         This rank's GPU (:class:`~mpshuffle.shuffler.device.DeviceState`: device
         id, ``spill_device`` budget, ``pool_size`` pool), or ``None`` where
         CuPy or a GPU is missing. Set up on first use (the first device run,
-        or reading this attribute), not with the context: setting it up
+        or reading this attribute), not with the context (unless ``pool_size``
+        is set: that pool is reserved up front): setting it up
         imports CuPy and makes a CUDA context (with ``pool_size``, reserves
         the pool), which took ~2 s per worker on the lent 16-core GPU host,
         where 16 CPU workers sharing its one GPU each made a context on it at
@@ -173,6 +174,9 @@ class WorkerContext:
         self._closed = False
         self.on_link_lost: Callable[[int, str, list[int]], None] | None = None
         self._told: dict[int, set[int]] = {}
+        if options.pool_size:
+            # Asked for a device pool: reserve it now, up front, as the option says.
+            _ = self.device
         comm.register_handler(TAG, self._on_message)
         comm.register_handler(DEVICE_TAG, self._on_message)
         comm.on_peer_lost(self._on_peer_lost)
