@@ -119,7 +119,8 @@ def main() -> None:
                     row.update(variant=v, round=r, load=os.getloadavg()[0])
                     rows.append(row)
                     print(f"{a.case} {r} {v:7s} {row['seconds']:6.2f} s cpu {row['cpu_seconds']:5.1f} "
-                          f"peak {row['peak_bytes'] / 2**30:.2f} GiB load {row['load']:.1f}", flush=True)
+                          f"peak {row['peak_bytes'] / 2**30:.2f} rss {row['peak_rss_bytes'] / 2**30:.2f} "
+                          f"(start {row['start_rss_bytes'] / 2**30:.2f}) GiB load {row['load']:.1f}", flush=True)
             load.append(os.getloadavg())
         finally:
             for cluster, client in clusters.values():
@@ -130,7 +131,8 @@ def main() -> None:
         mine = [x for x in rows if x["variant"] == v]
         summary[v] = {k: [min(vals), statistics.median(vals), max(vals)] for k, vals in (
             ("seconds", [x["seconds"] for x in mine]), ("cpu_seconds", [x["cpu_seconds"] for x in mine]),
-            ("peak_gib", [round(x["peak_bytes"] / 2**30, 2) for x in mine]))}
+            ("peak_gib", [round(x["peak_bytes"] / 2**30, 2) for x in mine]),
+            ("peak_rss_gib", [round(x["peak_rss_bytes"] / 2**30, 2) for x in mine]))}
     by = {(x["variant"], x["round"]): x["seconds"] for x in rows}
     for v in variants:
         if v != "after":
