@@ -376,6 +376,44 @@ def test_views_only_where_their_byte_ranges_are_tight() -> None:
     assert all(p.metadata[0] != VIEW for p in pieces.values())  # only a C-contiguous block
 
 
+@pytest.mark.parametrize(("nranks", "kept_as_view"), [(2, True), (3, False)])
+def test_space_to_time_keeps_views_on_two_ranks_with_an_odd_number_of_partitions(
+    nranks: int, kept_as_view: bool
+) -> None:
+    """A block (14, 6, 6) into blocks (1, 6, 6), 2 per partition: 7 partitions, rank 1 keeps 3 of them.
+
+    3/7 of the block (as space-to-time's 12 of 25 partitions, 0.48) is kept
+    as views on both of 2 ranks; on 3 ranks (3, 2 and 2 of 7 partitions) a
+    rank keeping less than 0.4 of the block copies its pieces. Every rank's
+    pieces assemble the right blocks.
+    """
+    from mpshuffle.table.ndarray import RAW, VIEW
+
+    steps, side = 14, 6
+    full = np.arange(steps * side * side, dtype=np.float32).reshape(steps, side, side)
+    whole = ((0, 0, side, 0),)
+    times = (tuple((j, j, j + 1, 0) for j in range(steps)),)
+    plan = BlockPlan(cuts=(times, (whole,), (whole,)), nout=(steps, 1, 1), per_partition=2)
+    assert plan.npartitions == 7
+    by_pid: dict[int, list] = {}
+    for rank in range(nranks):
+        pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
+            full, (), plan.npartitions, rank=rank, nranks=nranks
+        )
+        mine = {pid: p for pid, p in pieces.items() if pid % nranks == rank}
+        share = len(mine) / plan.npartitions
+        expect = VIEW if kept_as_view or share >= 0.4 else RAW
+        assert {p.metadata[0] for p in mine.values()} == {expect}, (rank, share)
+        by_pid.update({pid: [p] for pid, p in mine.items()})
+    if nranks == 2:
+        assert {len(ps) for ps in by_pid.values()} == {1} and sorted(by_pid) == list(range(7))
+    for pid, ps in by_pid.items():
+        got = NDArrayAdapter(full.dtype, plan, partition=pid).unpack(ps, None)
+        assert sorted(got) == list(plan.blocks_of(pid))
+        for b, arr in got.items():
+            np.testing.assert_array_equal(arr, full[b : b + 1])
+
+
 def test_view_pieces_need_the_plan_and_their_partition() -> None:
     full = np.arange(4 * 40 * 40, dtype=np.float32).reshape(4, 40, 40)
     plan = _grid_plan(4, 40, 5, 30)  # partitions of 30, 30 and 4 blocks
