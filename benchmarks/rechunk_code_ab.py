@@ -1,11 +1,18 @@
-"""A/B of two versions of mpshuffle's rechunk in one invocation: two LocalClusters, runs alternated.
+"""A/B of two versions of mpshuffle's rechunk in one invocation: a LocalCluster each, runs alternated.
 
 Not a test. Cluster ``before`` runs the code of ``--before-src`` (a
 worktree of the older commit's ``src``: its worker processes import
-mpshuffle from there, the graph is built as that code builds it, here by
-switching off :func:`mpshuffle.dask.rechunk.aligned_per_partition`), cluster
-``after`` this checkout's code; P2P and tasks run on the ``after`` cluster
-(Dask's code is the same in both). Variant ``after-copysent`` is
+mpshuffle from there; the graph is built here, by this checkout's
+:mod:`mpshuffle.dask.rechunk`, and for code older than session 16 with
+``--before-unaligned``, which switches off
+:func:`mpshuffle.dask.rechunk.aligned_per_partition` as that code built
+it; session 16 always switched it off: right for the main of then, wrong
+for main since the merge), cluster
+``after`` this checkout's code; P2P and tasks run on a third cluster
+(``dask``, this checkout's code) of their own: while they ran on ``after``,
+its workers' memory was churned by them between its runs and ``before``'s
+was not (in the first space-to-time A/B of session 17, ``before`` on
+main's code took 4.6 CPU-s in median against ``after``'s 6.4). Variant ``after-copysent`` is
 ``after`` with the pieces for other ranks copied, never sent as views
 (``VIEW_SEND_SLACK`` set to 0 on the workers for the run); ``after-norelease``
 is ``after`` without giving received memory back at extract
@@ -71,6 +78,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variants", default="after,before,p2p,tasks")
     p.add_argument("--name", default="")
+    p.add_argument("--before-unaligned", action="store_true",
+                   help="build the before graph without aligned_per_partition (code older than session 16)")
     a = p.parse_args()
     side, small = 1000, 50
     variants = a.variants.split(",")
@@ -78,6 +87,8 @@ def main() -> None:
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
+        if any(v in ("p2p", "tasks") for v in variants):
+            clusters["dask"] = _cluster(tmp, None)
         try:
             inputs, pids = {}, {}
             for name, (_, client) in clusters.items():
@@ -101,15 +112,15 @@ def main() -> None:
             aligned = rc.aligned_per_partition
             for r in range(a.repeat):
                 for v in variants[r % len(variants):] + variants[: r % len(variants)]:
-                    name = "before" if v == "before" else "after"
+                    name = "before" if v == "before" else "dask" if v in ("p2p", "tasks") else "after"
                     slack = 0.0 if v == "after-copysent" else 1.125
                     if name == "after":
                         clusters["after"][1].run(_release, v != "after-norelease")
                     method = v if v in ("p2p", "tasks") else "mpshuffle"
                     client = clusters[name][1]
-                    if v == "before":
+                    if v == "before" and a.before_unaligned:
                         rc.aligned_per_partition = lambda target, nout: target
-                    else:
+                    elif name == "after":
                         clusters["after"][1].run(_send_slack, slack)
                     try:
                         with client.as_current():
