@@ -424,3 +424,67 @@ def test_view_pieces_need_the_plan_and_their_partition() -> None:
         NDArrayAdapter(full.dtype).unpack([pieces[0]], None)
     with pytest.raises(ShuffleError, match="does not hold the cuts of output partition 2"):
         NDArrayAdapter(full.dtype, plan, partition=2).unpack([pieces[0]], None)
+
+
+def test_received_pieces_give_their_pages_back_as_they_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces in a shared mapping (a received message): each one's whole pages are given back before the next is placed.
+
+    Four time steps of (80, 80) into blocks (4, 20, 20), one partition of 16
+    blocks: each input block's piece (25.6 KB) lies at its own page-aligned
+    place of one shared anonymous mapping, as a message in ``/dev/shm``.
+    When piece k is placed, the whole pages of pieces 0..k-1 read as zeros
+    and piece k's do not; afterwards every piece's whole pages are zeros,
+    the blocks are right, and the table has nothing more to give back.
+    """
+    import mmap
+
+    import pyarrow as pa
+
+    import mpshuffle.table.ndarray as nd
+    from mpshuffle.memory.packed import PieceTable
+
+    steps, side, cut = 4, 80, 20
+    full = np.arange(steps * side * side, dtype=np.float32).reshape(steps, side, side)
+    plan = _grid_plan(steps, side, cut, 16)
+    assert plan.npartitions == 1
+    pieces = [
+        NDArrayAdapter(full.dtype, plan, (t, 0, 0), views=True).split_for(
+            full[t : t + 1].copy(), (), 1, rank=0, nranks=1
+        )[0]
+        for t in range(steps)
+    ]
+    assert {p.metadata[0] for p in pieces} == {nd.VIEW}
+    page = mmap.PAGESIZE
+    sizes = [p.data.size for p in pieces]
+    offsets = [k * (-(-max(sizes) // page) + 1) * page for k in range(steps)]
+    mapping = mmap.mmap(-1, offsets[-1] + sizes[-1])
+    for p, o in zip(pieces, offsets, strict=True):
+        mapping[o : o + p.data.size] = bytes(p.data)
+    table = PieceTable(
+        pids=np.zeros(steps, np.int64), nrows=[p.nrows for p in pieces], meta_of=list(range(steps)),
+        metas=[p.metadata for p in pieces], buffer_of=np.zeros(steps, np.int32), offset=offsets, size=sizes,
+        buffers=[pa.py_buffer(memoryview(mapping))],
+    )
+    table.mapped = [(mapping, 0)]
+
+    def whole_pages_zero(k: int) -> bool:
+        lo, hi = -(-offsets[k] // page) * page, (offsets[k] + sizes[k]) // page * page
+        assert hi > lo
+        return not np.frombuffer(mapping, np.uint8)[lo:hi].any()
+
+    seen: list[list[bool]] = []
+    place = nd._place_view
+
+    def spy(*args: Any) -> None:
+        seen.append([whole_pages_zero(k) for k in range(steps)])
+        place(*args)
+
+    monkeypatch.setattr(nd, "_place_view", spy)
+    got = NDArrayAdapter(full.dtype, plan, partition=0).unpack(table, None)
+    assert seen == [[j < k for j in range(steps)] for k in range(steps)]
+    assert all(whole_pages_zero(k) for k in range(steps))
+    assert table.release_pages() == 0
+    for b, arr in got.items():
+        j1, j2 = divmod(b, side // cut)
+        np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
+    del table, got
