@@ -78,6 +78,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variants", default="after,before,p2p,tasks")
     p.add_argument("--name", default="")
+    p.add_argument("--warm", type=int, default=1,
+                   help="untimed full-size rounds first (the VM's first fresh pages cost ~2x: the first timed "
+                        "run of an A/A took 6.7-6.8 CPU-s against 4.2-5.9 for the rest)")
+    p.add_argument("--before-first", action="store_true",
+                   help="start the before cluster (and persist its input) first; for A/A checks of the slots")
     p.add_argument("--before-unaligned", action="store_true",
                    help="build the before graph without aligned_per_partition (code older than session 16)")
     a = p.parse_args()
@@ -86,7 +91,10 @@ def main() -> None:
     rows = []
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
-        clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
+        if a.before_first:
+            clusters = {"before": _cluster(tmp, a.before_src), "after": _cluster(tmp, None)}
+        else:
+            clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
         if any(v in ("p2p", "tasks") for v in variants):
             clusters["dask"] = _cluster(tmp, None)
         try:
@@ -110,7 +118,7 @@ def main() -> None:
                     inputs[name] = x
             sampler = MemorySampler()
             aligned = rc.aligned_per_partition
-            for r in range(a.repeat):
+            for r in range(-a.warm, a.repeat):  # rounds < 0: untimed, not recorded
                 for v in variants[r % len(variants):] + variants[: r % len(variants)]:
                     name = "before" if v == "before" else "dask" if v in ("p2p", "tasks") else "after"
                     slack = 0.0 if v == "after-copysent" else 1.125
@@ -128,7 +136,8 @@ def main() -> None:
                     finally:
                         rc.aligned_per_partition = aligned
                     row.update(variant=v, round=r, load=os.getloadavg()[0])
-                    rows.append(row)
+                    if r >= 0:
+                        rows.append(row)
                     print(f"{a.case} {r} {v:7s} {row['seconds']:6.2f} s cpu {row['cpu_seconds']:5.1f} "
                           f"peak {row['peak_bytes'] / 2**30:.2f} rss {row['peak_rss_bytes'] / 2**30:.2f} "
                           f"(start {row['start_rss_bytes'] / 2**30:.2f}) GiB load {row['load']:.1f}", flush=True)
