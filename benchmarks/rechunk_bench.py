@@ -21,7 +21,10 @@ workers; a run with a wrong element, or chunks other than Dask's, fails the
 benchmark. The methods take turns (``--repeat`` rounds, each in a rotated
 order) after one untimed small run of each. Peak memory is the cluster's
 (sum of the worker processes' RSS, ``distributed``'s ``MemorySampler``,
-every 0.1 s) during the run. CPU seconds are the workers' (user + system).
+every 0.1 s) during the run, and (``peak_rss``) the same sum read from
+the worker processes every 20 ms, which the scheduler's heartbeats do not
+delay; each run starts once the previous run's output is gone and the
+scheduler has seen it go. CPU seconds are the workers' (user + system).
 
 Writes ``benchmarks/results/<--name>.json`` and prints min/median/max.
 
@@ -35,6 +38,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -124,8 +129,10 @@ def _one(
     with dask.config.set({"array.rechunk.method": method}):
         y = x.rechunk(target)
     assert y.chunks == want, (method, y.chunks, want)
+    _settle(client, x.name)
     cpu0 = _cpu(pids)
     tl = Timeline(client, timeline, echo=True).start() if timeline else None
+    direct = _PeakRss(pids).start()
     t0 = time.perf_counter()
     failed = None
     with sampler.sample(label, client=client, measure="process", interval=0.1):
@@ -141,6 +148,7 @@ def _one(
     if case == "out-of-core":
         seconds = time.perf_counter() - t0
     cpu = _cpu(pids) - cpu0
+    rss_start, rss_peak = direct.stop()
     samples = tl.stop() if tl is not None else []
     if failed is not None:
         series = sampler.to_pandas()[label].dropna()
@@ -162,11 +170,107 @@ def _one(
     row = {
         "method": method, "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 2),
         "peak_bytes": int(series.max()), "start_bytes": int(series.iloc[0]), "checked": True,
+        "peak_rss_bytes": rss_peak, "start_rss_bytes": rss_start,
     }
     if samples:
         row["timeline"] = samples[::3]  # every third sample, to keep the JSON small
         row["at_peak_rss"] = summary(samples)
     return row
+
+
+class _PeakRss:
+    """The workers' summed RSS, read from their processes every 20 ms by a process of its own: first value and peak.
+
+    Why beside ``MemorySampler``: that reads the workers' memory as the
+    scheduler last heard it (heartbeats, ~0.5-1 s late), so it missed the
+    last outputs of a run that ends soon after they are made (P2P's sampled
+    peak was below its start plus its output). Why a process: a thread here
+    waits for the GIL behind the schedulers of this process and missed
+    short peaks under load. Nothing runs on the workers for it.
+    """
+
+    _LOOP = (
+        "import os, sys, select\n"
+        "pids = sys.argv[1:]; page = os.sysconf('SC_PAGE_SIZE'); values = []\n"
+        "def rss():\n"
+        "    total = 0\n"
+        "    for p in pids:\n"
+        "        try:\n"
+        "            with open(f'/proc/{p}/statm') as f:\n"
+        "                total += int(f.read().split()[1]) * page\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return total\n"
+        "values.append(rss()); print('ready', flush=True)\n"
+        "while not select.select([sys.stdin], [], [], 0.02)[0]:\n"
+        "    values.append(rss())\n"
+        "values.append(rss())\n"
+        "print(values[0], max(values), flush=True)\n"
+    )
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self._proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> _PeakRss:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", self._LOOP, *map(str, self.pids)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert self._proc.stdout is not None
+        self._proc.stdout.readline()  # its first sample is taken
+        return self
+
+    def stop(self) -> tuple[int, int]:
+        assert self._proc is not None
+        out, _ = self._proc.communicate("stop\n")
+        first, peak = (int(v) for v in out.split())
+        return first, peak
+
+
+def _settle(client: Client, keep: str, timeout: float = 30.0) -> None:
+    """Wait until the workers hold no key but the input's (``keep``), then collect and trim their heaps.
+
+    Why: the sampler reads the workers' memory as the scheduler last heard
+    it (heartbeats), and at the start of a run that was often still the
+    previous run's end, output included (the run's first sample equal to
+    its peak): the run's peak was then the previous method's. So this also
+    waits until the scheduler's figure has come down to the workers' RSS.
+    Trimming (``malloc_trim``) gives back what the allocator kept of freed
+    memory, for every method alike.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = [k for keys in client.has_what().values() for k in keys
+                if not (isinstance(k, tuple) and k[0] == keep)]
+        if not held:
+            break
+        time.sleep(0.1)
+    client.run(_trim)
+    # The sampler reads the scheduler's view of each worker's memory, which
+    # heartbeats update: wait until it has seen the memory given back.
+    while time.monotonic() < deadline:
+        rss = sum(client.run(_rss).values())
+        seen = client.run_on_scheduler(_process_memory)
+        if seen <= rss * 1.02 + 2**24:
+            break
+        time.sleep(0.1)
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def _process_memory(dask_scheduler: Any = None) -> int:
+    return int(sum(ws.memory.process for ws in dask_scheduler.workers.values()))
+
+
+def _trim() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -216,7 +320,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
                     budgets = sorted({s["options"]["host_budget"] for s in runs if s.get("options")})
                 rows.append(row)
                 print(f"{case:14s} round {r} {m:9s} {row['seconds']:7.2f} s  cpu {row['cpu_seconds'] or 0:6.1f} s  "
-                      f"peak {row['peak_bytes'] / 2**30:5.2f} GiB", flush=True)
+                      f"peak {row['peak_bytes'] / 2**30:5.2f} GiB  rss {row.get('peak_rss_bytes', 0) / 2**30:5.2f} GiB", flush=True)
     summary: dict[str, Any] = {}
     for m in methods:
         mine = [r for r in rows if r["method"] == m and not r.get("failed")]
@@ -229,6 +333,9 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
             "seconds": {"min": min(secs), "median": statistics.median(secs), "max": max(secs)},
             "peak_gib": {"min": round(min(peaks) / 2**30, 2), "median": round(statistics.median(peaks) / 2**30, 2),
                          "max": round(max(peaks) / 2**30, 2)},
+            "peak_rss_gib": {"min": round(min(r["peak_rss_bytes"] for r in mine) / 2**30, 2),
+                             "median": round(statistics.median(r["peak_rss_bytes"] for r in mine) / 2**30, 2),
+                             "max": round(max(r["peak_rss_bytes"] for r in mine) / 2**30, 2)},
             "cpu_seconds_median": statistics.median(r["cpu_seconds"] for r in mine),
             "failed_runs": sum(1 for r in rows if r["method"] == m and r.get("failed")),
         }

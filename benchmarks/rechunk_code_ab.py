@@ -1,11 +1,18 @@
-"""A/B of two versions of mpshuffle's rechunk in one invocation: two LocalClusters, runs alternated.
+"""A/B of two versions of mpshuffle's rechunk in one invocation: a LocalCluster each, runs alternated.
 
 Not a test. Cluster ``before`` runs the code of ``--before-src`` (a
 worktree of the older commit's ``src``: its worker processes import
-mpshuffle from there, the graph is built as that code builds it, here by
-switching off :func:`mpshuffle.dask.rechunk.aligned_per_partition`), cluster
-``after`` this checkout's code; P2P and tasks run on the ``after`` cluster
-(Dask's code is the same in both). Variant ``after-copysent`` is
+mpshuffle from there; the graph is built here, by this checkout's
+:mod:`mpshuffle.dask.rechunk`, and for code older than session 16 with
+``--before-unaligned``, which switches off
+:func:`mpshuffle.dask.rechunk.aligned_per_partition` as that code built
+it; session 16 always switched it off: right for the main of then, wrong
+for main since the merge), cluster
+``after`` this checkout's code; P2P and tasks run on a third cluster
+(``dask``, this checkout's code) of their own: while they ran on ``after``,
+its workers' memory was churned by them between its runs and ``before``'s
+was not (in the first space-to-time A/B of session 17, ``before`` on
+main's code took 4.6 CPU-s in median against ``after``'s 6.4). Variant ``after-copysent`` is
 ``after`` with the pieces for other ranks copied, never sent as views
 (``VIEW_SEND_SLACK`` set to 0 on the workers for the run); ``after-norelease``
 is ``after`` without giving received memory back at extract
@@ -71,13 +78,25 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--variants", default="after,before,p2p,tasks")
     p.add_argument("--name", default="")
+    p.add_argument("--warm", type=int, default=1,
+                   help="untimed full-size rounds first (the VM's first fresh pages cost ~2x: the first timed "
+                        "run of an A/A took 6.7-6.8 CPU-s against 4.2-5.9 for the rest)")
+    p.add_argument("--before-first", action="store_true",
+                   help="start the before cluster (and persist its input) first; for A/A checks of the slots")
+    p.add_argument("--before-unaligned", action="store_true",
+                   help="build the before graph without aligned_per_partition (code older than session 16)")
     a = p.parse_args()
     side, small = 1000, 50
     variants = a.variants.split(",")
     rows = []
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
-        clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
+        if a.before_first:
+            clusters = {"before": _cluster(tmp, a.before_src), "after": _cluster(tmp, None)}
+        else:
+            clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
+        if any(v in ("p2p", "tasks") for v in variants):
+            clusters["dask"] = _cluster(tmp, None)
         try:
             inputs, pids = {}, {}
             for name, (_, client) in clusters.items():
@@ -99,17 +118,17 @@ def main() -> None:
                     inputs[name] = x
             sampler = MemorySampler()
             aligned = rc.aligned_per_partition
-            for r in range(a.repeat):
+            for r in range(-a.warm, a.repeat):  # rounds < 0: untimed, not recorded
                 for v in variants[r % len(variants):] + variants[: r % len(variants)]:
-                    name = "before" if v == "before" else "after"
+                    name = "before" if v == "before" else "dask" if v in ("p2p", "tasks") else "after"
                     slack = 0.0 if v == "after-copysent" else 1.125
                     if name == "after":
                         clusters["after"][1].run(_release, v != "after-norelease")
                     method = v if v in ("p2p", "tasks") else "mpshuffle"
                     client = clusters[name][1]
-                    if v == "before":
+                    if v == "before" and a.before_unaligned:
                         rc.aligned_per_partition = lambda target, nout: target
-                    else:
+                    elif name == "after":
                         clusters["after"][1].run(_send_slack, slack)
                     try:
                         with client.as_current():
@@ -117,9 +136,11 @@ def main() -> None:
                     finally:
                         rc.aligned_per_partition = aligned
                     row.update(variant=v, round=r, load=os.getloadavg()[0])
-                    rows.append(row)
+                    if r >= 0:
+                        rows.append(row)
                     print(f"{a.case} {r} {v:7s} {row['seconds']:6.2f} s cpu {row['cpu_seconds']:5.1f} "
-                          f"peak {row['peak_bytes'] / 2**30:.2f} GiB load {row['load']:.1f}", flush=True)
+                          f"peak {row['peak_bytes'] / 2**30:.2f} rss {row['peak_rss_bytes'] / 2**30:.2f} "
+                          f"(start {row['start_rss_bytes'] / 2**30:.2f}) GiB load {row['load']:.1f}", flush=True)
             load.append(os.getloadavg())
         finally:
             for cluster, client in clusters.values():
@@ -130,7 +151,8 @@ def main() -> None:
         mine = [x for x in rows if x["variant"] == v]
         summary[v] = {k: [min(vals), statistics.median(vals), max(vals)] for k, vals in (
             ("seconds", [x["seconds"] for x in mine]), ("cpu_seconds", [x["cpu_seconds"] for x in mine]),
-            ("peak_gib", [round(x["peak_bytes"] / 2**30, 2) for x in mine]))}
+            ("peak_gib", [round(x["peak_bytes"] / 2**30, 2) for x in mine]),
+            ("peak_rss_gib", [round(x["peak_rss_bytes"] / 2**30, 2) for x in mine]))}
     by = {(x["variant"], x["round"]): x["seconds"] for x in rows}
     for v in variants:
         if v != "after":

@@ -376,6 +376,44 @@ def test_views_only_where_their_byte_ranges_are_tight() -> None:
     assert all(p.metadata[0] != VIEW for p in pieces.values())  # only a C-contiguous block
 
 
+@pytest.mark.parametrize(("nranks", "kept_as_view"), [(2, True), (3, False)])
+def test_space_to_time_keeps_views_on_two_ranks_with_an_odd_number_of_partitions(
+    nranks: int, kept_as_view: bool
+) -> None:
+    """A block (14, 6, 6) into blocks (1, 6, 6), 2 per partition: 7 partitions, rank 1 keeps 3 of them.
+
+    3/7 of the block (as space-to-time's 12 of 25 partitions, 0.48) is kept
+    as views on both of 2 ranks; on 3 ranks (3, 2 and 2 of 7 partitions) a
+    rank keeping less than 0.4 of the block copies its pieces. Every rank's
+    pieces assemble the right blocks.
+    """
+    from mpshuffle.table.ndarray import RAW, VIEW
+
+    steps, side = 14, 6
+    full = np.arange(steps * side * side, dtype=np.float32).reshape(steps, side, side)
+    whole = ((0, 0, side, 0),)
+    times = (tuple((j, j, j + 1, 0) for j in range(steps)),)
+    plan = BlockPlan(cuts=(times, (whole,), (whole,)), nout=(steps, 1, 1), per_partition=2)
+    assert plan.npartitions == 7
+    by_pid: dict[int, list] = {}
+    for rank in range(nranks):
+        pieces = NDArrayAdapter(full.dtype, plan, (0, 0, 0), views=True).split_for(
+            full, (), plan.npartitions, rank=rank, nranks=nranks
+        )
+        mine = {pid: p for pid, p in pieces.items() if pid % nranks == rank}
+        share = len(mine) / plan.npartitions
+        expect = VIEW if kept_as_view or share >= 0.4 else RAW
+        assert {p.metadata[0] for p in mine.values()} == {expect}, (rank, share)
+        by_pid.update({pid: [p] for pid, p in mine.items()})
+    if nranks == 2:
+        assert {len(ps) for ps in by_pid.values()} == {1} and sorted(by_pid) == list(range(7))
+    for pid, ps in by_pid.items():
+        got = NDArrayAdapter(full.dtype, plan, partition=pid).unpack(ps, None)
+        assert sorted(got) == list(plan.blocks_of(pid))
+        for b, arr in got.items():
+            np.testing.assert_array_equal(arr, full[b : b + 1])
+
+
 def test_view_pieces_need_the_plan_and_their_partition() -> None:
     full = np.arange(4 * 40 * 40, dtype=np.float32).reshape(4, 40, 40)
     plan = _grid_plan(4, 40, 5, 30)  # partitions of 30, 30 and 4 blocks
@@ -386,3 +424,67 @@ def test_view_pieces_need_the_plan_and_their_partition() -> None:
         NDArrayAdapter(full.dtype).unpack([pieces[0]], None)
     with pytest.raises(ShuffleError, match="does not hold the cuts of output partition 2"):
         NDArrayAdapter(full.dtype, plan, partition=2).unpack([pieces[0]], None)
+
+
+def test_received_pieces_give_their_pages_back_as_they_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces in a shared mapping (a received message): each one's whole pages are given back before the next is placed.
+
+    Four time steps of (80, 80) into blocks (4, 20, 20), one partition of 16
+    blocks: each input block's piece (25.6 KB) lies at its own page-aligned
+    place of one shared anonymous mapping, as a message in ``/dev/shm``.
+    When piece k is placed, the whole pages of pieces 0..k-1 read as zeros
+    and piece k's do not; afterwards every piece's whole pages are zeros,
+    the blocks are right, and the table has nothing more to give back.
+    """
+    import mmap
+
+    import pyarrow as pa
+
+    import mpshuffle.table.ndarray as nd
+    from mpshuffle.memory.packed import PieceTable
+
+    steps, side, cut = 4, 80, 20
+    full = np.arange(steps * side * side, dtype=np.float32).reshape(steps, side, side)
+    plan = _grid_plan(steps, side, cut, 16)
+    assert plan.npartitions == 1
+    pieces = [
+        NDArrayAdapter(full.dtype, plan, (t, 0, 0), views=True).split_for(
+            full[t : t + 1].copy(), (), 1, rank=0, nranks=1
+        )[0]
+        for t in range(steps)
+    ]
+    assert {p.metadata[0] for p in pieces} == {nd.VIEW}
+    page = mmap.PAGESIZE
+    sizes = [p.data.size for p in pieces]
+    offsets = [k * (-(-max(sizes) // page) + 1) * page for k in range(steps)]
+    mapping = mmap.mmap(-1, offsets[-1] + sizes[-1])
+    for p, o in zip(pieces, offsets, strict=True):
+        mapping[o : o + p.data.size] = bytes(p.data)
+    table = PieceTable(
+        pids=np.zeros(steps, np.int64), nrows=[p.nrows for p in pieces], meta_of=list(range(steps)),
+        metas=[p.metadata for p in pieces], buffer_of=np.zeros(steps, np.int32), offset=offsets, size=sizes,
+        buffers=[pa.py_buffer(memoryview(mapping))],
+    )
+    table.mapped = [(mapping, 0)]
+
+    def whole_pages_zero(k: int) -> bool:
+        lo, hi = -(-offsets[k] // page) * page, (offsets[k] + sizes[k]) // page * page
+        assert hi > lo
+        return not np.frombuffer(mapping, np.uint8)[lo:hi].any()
+
+    seen: list[list[bool]] = []
+    place = nd._place_view
+
+    def spy(*args: Any) -> None:
+        seen.append([whole_pages_zero(k) for k in range(steps)])
+        place(*args)
+
+    monkeypatch.setattr(nd, "_place_view", spy)
+    got = NDArrayAdapter(full.dtype, plan, partition=0).unpack(table, None)
+    assert seen == [[j < k for j in range(steps)] for k in range(steps)]
+    assert all(whole_pages_zero(k) for k in range(steps))
+    assert table.release_pages() == 0
+    for b, arr in got.items():
+        j1, j2 = divmod(b, side // cut)
+        np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
+    del table, got

@@ -300,6 +300,41 @@ class PieceTable(Sequence[PackedData]):
             self.buffer_of[ix], self.offset[ix], self.size[ix], self.buffers, self.mapped,
         )
 
+    def release_piece_pages(self, i: int) -> int:
+        """:meth:`release_pages` for piece ``i`` alone, the table's mappings kept for the others.
+
+        For a consumer that copies the pieces out one at a time (the rechunk's
+        :meth:`~mpshuffle.table.ndarray.NDArrayAdapter.unpack`): a piece's
+        pages go as soon as it is placed, so an extract never holds all of
+        its received pieces (read, so resident) beside its output. A later
+        :meth:`release_pages` gives those pages back a second time, which
+        frees nothing more; call it only for the pieces not released here.
+
+        Returns
+        -------
+        int
+            Bytes given back (0 where the piece is not in a shared mapping).
+        """
+        mapped = self.mapped
+        if not mapped or not hasattr(mmap, "MADV_REMOVE"):
+            return 0
+        where = mapped[int(self.buffer_of[i])]
+        if where is None:
+            return 0
+        mapping, base = where
+        page = mmap.PAGESIZE
+        start = base + int(self.offset[i])
+        lo = -(-start // page) * page
+        hi = (start + int(self.size[i])) // page * page
+        if hi <= lo:
+            return 0
+        mapping.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+        return hi - lo
+
+    def forget_mappings(self) -> None:
+        """Drop the table's mappings: :meth:`release_pages` then gives nothing back (all given back already)."""
+        self.mapped = None
+
     def release_pages(self) -> int:
         """Give the whole memory pages inside the pieces that lie in received shared-memory messages back to the OS.
 
