@@ -191,6 +191,52 @@ def test_many_partitions_lose_no_row(npartitions: int) -> None:
     assert rows(concat(outputs)) == rows(frame)
 
 
+@pytest.mark.parametrize("npartitions", [300, 70_001])
+def test_few_rows_into_many_partitions_give_each_piece_its_rows_in_the_right_block(npartitions: int) -> None:
+    # pack works on the partitions that have rows only (an insert costs its rows,
+    # not the partition count): every column kind, every piece's rows, the pieces
+    # this rank keeps apart from each destination's.
+    from decimal import Decimal
+
+    from mpshuffle.memory.pool import HostPool
+
+    n = 200
+    rng = np.random.default_rng(7)
+    frame = pd.DataFrame({
+        "k": rng.integers(0, 2**40, n),
+        "x": rng.random(n),
+        "flag": rng.random(n) < 0.5,
+        "I": pd.array([None if i % 3 == 0 else i for i in range(n)], dtype="Int64"),
+        "s": pd.Series([f"w{i}" * (i % 4) for i in range(n)], dtype="str"),
+        "o": pd.Series([{"a": i} if i % 2 else [i] for i in range(n)], dtype=object),
+        "d": pd.Series([Decimal(i) / 7 for i in range(n)], dtype=object),
+    })
+    adapter = PandasAdapter()
+    ids = adapter.partition_ids(frame, ["k"], npartitions)
+    pieces = adapter.split_for(frame, ["k"], npartitions, None, rank=1, nranks=3, pool=HostPool(2**24))
+    assert sorted(pieces) == sorted(set(ids.tolist()))
+    for pid, piece in pieces.items():
+        got = adapter.unpack([piece], frame.iloc[:0])
+        assert rows(got) == rows(frame[ids == pid])
+    blocks = pieces.table.buffers  # type: ignore[attr-defined]  # PackedPieces
+    owner_of_block: dict[int, set[int]] = {}
+    for pid, buffer_index in zip(pieces.table.pids, pieces.table.buffer_of, strict=True):  # type: ignore[attr-defined]
+        owner_of_block.setdefault(int(buffer_index), set()).add(int(pid) % 3)
+    assert all(len(owners) == 1 for owners in owner_of_block.values()), owner_of_block
+    assert len(blocks) >= 3
+    # Columns with no raw layout (an Arrow list column travels as IPC streams).
+    from mpshuffle.table.arrow import ArrowAdapter
+
+    table = pa.table({"k": frame["k"].to_numpy(), "l": pa.array([[i, i + 1] for i in range(n)])})
+    arrow = ArrowAdapter()
+    arrow_ids = arrow.partition_ids(table, ["k"], npartitions)
+    arrow_pieces = arrow.split_for(table, ["k"], npartitions, None, rank=0, nranks=2, pool=HostPool(2**24))
+    assert sorted(arrow_pieces) == sorted(set(arrow_ids.tolist()))
+    for pid, piece in arrow_pieces.items():
+        got = arrow.unpack([piece], table.schema)
+        assert got.column("l").to_pylist() == table.filter(pa.array(arrow_ids == pid)).column("l").to_pylist()
+
+
 def test_unconvertible_object_column_falls_back_to_pickle() -> None:
     # Edge case 5: dicts and lists mixed with numbers; Arrow cannot convert it.
     # Only that column is pickled; the key stays a raw Arrow column.

@@ -445,9 +445,22 @@ def pack(
         layout, see the module docstring).
     """
     k = _kernels()
-    counts = split.counts
-    present = np.flatnonzero(counts)
-    npart = len(counts)
+    present = np.flatnonzero(split.counts)
+    npart = len(split.counts)
+    # From here on only the partitions with rows count (``present``): every
+    # per-partition array has one entry per piece, and the kernels take each
+    # row's place among them (``pid``, same dtype as the split's ids). An
+    # insert into many more partitions than it has rows then costs its rows,
+    # not the partition count (at 50,000 partitions of 500-row inputs the
+    # per-partition arrays made an insert cost 4.7 ms against 0.5 ms at 500).
+    counts = split.counts[present]
+    if len(present) < npart:
+        slot = np.zeros(npart, split.pid.dtype)
+        slot[present] = np.arange(len(present), dtype=split.pid.dtype)
+        pid = slot[split.pid]
+    else:
+        pid = split.pid
+    ncompact = len(present)
     # Every buffer of every piece: (column, role) and its size per partition.
     plan: list[tuple[int, str, npt.NDArray[np.int64]]] = []
     slack: dict[int, int] = {}  # bytes a buffer needs past its data (scatter_var's word copies)
@@ -456,7 +469,7 @@ def pack(
     pickled = [c for c in columns if c.kind == "pickle"]
     order = None
     if arrow_cols or pickled:
-        order = np.argsort(split.pid, kind="stable")
+        order = np.argsort(pid, kind="stable")
         starts = np.concatenate(([0], np.cumsum(counts)))
     for j, col in enumerate(columns):
         if col.kind in ("arrow", "pickle"):
@@ -469,32 +482,30 @@ def pack(
             plan.append((j, "data", (counts + 7) >> 3))
         else:
             plan.append((j, "offsets", (counts + 1) * col.width))
-            var_sizes[j] = k.var_sizes(col.offsets, split.pid, npart)
+            var_sizes[j] = k.var_sizes(col.offsets, pid, ncompact)
             plan.append((j, "data", var_sizes[j]))
             slack[len(plan) - 1] = _WORD
     blobs: dict[str, list[Any]] = {}
     if arrow_cols:
         sub = pa.Table.from_arrays([c.array for c in arrow_cols], names=[str(c.field) for c in arrow_cols])
         sub = sub.take(order)
-        streams = [sub.slice(int(starts[p]), int(counts[p])) for p in range(npart)]
-        plan.append((-1, "ipc", np.array([_ipc_size(s) if counts[p] else 0 for p, s in enumerate(streams)])))
+        streams = [sub.slice(int(starts[p]), int(counts[p])) for p in range(ncompact)]
+        plan.append((-1, "ipc", np.array([_ipc_size(s) for s in streams], np.int64)))
         blobs["ipc"] = streams
     for col in pickled:
         values = col.series.take(order).reset_index(drop=True)
         dumps = [
             pickle.dumps(values.iloc[int(starts[p]) : int(starts[p] + counts[p])], protocol=5)
-            if counts[p] else b""
-            for p in range(npart)
+            for p in range(ncompact)
         ]
         blobs[f"pickle{col.field}"] = dumps
         plan.append((col.field, "pickle", np.array([len(d) for d in dumps], np.int64)))
-    sizes_all = np.stack([s.astype(np.int64) for _, _, s in plan]) if plan else np.zeros((0, npart), np.int64)
+    sizes_all = np.stack([s.astype(np.int64) for _, _, s in plan]) if plan else np.zeros((0, ncompact), np.int64)
     # Buffers start 64-byte aligned in pieces of a few KiB or more; small
     # pieces (many partitions, few rows each) keep 8 (what Arrow and NumPy
     # need), so padding does not outweigh their data.
-    align = _ALIGN if len(present) and int(sizes_all.sum()) >= _SMALL_PIECE * len(present) else _WORD
+    align = _ALIGN if ncompact and int(sizes_all.sum()) >= _SMALL_PIECE * ncompact else _WORD
     aligned = _aligned(sizes_all + np.array([slack.get(b, 0) for b in range(len(plan))], np.int64)[:, None], align)
-    aligned[:, counts == 0] = 0
     # A piece's layout is not stored in it: its row count and the plan give
     # every buffer's size (string data: its own last offset), and
     # :func:`_layouts` derives where each lies by the same rule. Only what no
@@ -503,11 +514,14 @@ def pack(
     opaque = [b for b, (_, role, _) in enumerate(plan) if role in ("ipc", "pickle")]
     prefix = -(-8 * len(opaque) // align) * align
     within = prefix + np.cumsum(aligned, axis=0) - aligned  # offset of each buffer inside its piece
-    piece_size = np.where(counts > 0, prefix + aligned.sum(axis=0), 0)
+    piece_size = prefix + aligned.sum(axis=0)
     if owner is not None:
-        groups = owner_groups(piece_size, *owner)
-    group = np.zeros(npart, np.int64) if groups is None else np.asarray(groups, np.int64)
-    ngroups = int(group.max()) + 1 if npart else 1
+        group = owner_groups(piece_size, *owner, partition_ids=present)
+    elif groups is not None:
+        group = np.asarray(groups, np.int64)[present]
+    else:
+        group = np.zeros(ncompact, np.int64)
+    ngroups = int(group.max()) + 1 if ncompact else 1
     group_size = np.bincount(group, weights=piece_size, minlength=ngroups).astype(np.int64)
     buf, group_offsets, group_buffers = _allocate(group_size.tolist(), pool)
     # Pieces of a group follow each other, by partition id, from the group's offset.
@@ -515,7 +529,7 @@ def pack(
     ends = np.cumsum(piece_size[by_group])
     starts_in_group = ends - piece_size[by_group] - np.concatenate(
         ([0], np.cumsum(group_size)))[group[by_group]]
-    piece_base = np.empty(npart, np.int64)
+    piece_base = np.empty(ncompact, np.int64)
     piece_base[by_group] = np.asarray(group_offsets, np.int64)[group[by_group]] + starts_in_group
     at = piece_base[None, :] + within  # absolute byte offset of each buffer
     for b, (j, role, _) in enumerate(plan):
@@ -523,34 +537,34 @@ def pack(
             continue
         col = columns[j]
         if role == "validity":
-            k.scatter_bits(col.validity, col.offset, False, split.pid, split.rank, at[b], counts, buf)
+            k.scatter_bits(col.validity, col.offset, False, pid, split.rank, at[b], counts, buf)
         elif role == "data" and col.kind == "fixed":
             out = buf.view(_UINT[col.width])
-            k.scatter(col.values, split.pid, split.rank, at[b] // col.width, out)
+            k.scatter(col.values, pid, split.rank, at[b] // col.width, out)
         elif role == "data" and col.kind == "bits":
-            k.scatter_bits(col.values, col.offset, col.from_bytes, split.pid, split.rank, at[b], counts, buf)
+            k.scatter_bits(col.values, col.offset, col.from_bytes, pid, split.rank, at[b], counts, buf)
         elif role == "offsets":
             out_off = buf.view(np.int64 if col.width == 8 else np.int32)
-            k.scatter_var(col.offsets, col.values, _words(col.values), split.pid, split.rank, counts,
+            k.scatter_var(col.offsets, col.values, _words(col.values), pid, split.rank, counts,
                           at[b] // col.width, at[b + 1], out_off, buf, _words(buf))
     for b, (j, role, sizes) in enumerate(plan):
         if role == "ipc":
-            for p in present:
+            for p in range(ncompact):
                 _write_ipc_into(blobs["ipc"][p], buf[at[b][p] : at[b][p] + sizes[p]])
         elif role == "pickle":
-            for p in present:
+            for p in range(ncompact):
                 buf[at[b][p] : at[b][p] + sizes[p]] = np.frombuffer(blobs[f"pickle{j}"][p], np.uint8)
     # One metadata object for every piece of the insert (the schema, the
     # buffers of the columns and their alignment).
     common = _common_header(columns, plan, schema, names, align)
-    if opaque and len(present):
+    if opaque and ncompact:
         words = buf[: buf.shape[0] // _WORD * _WORD].view(np.int64)
-        at_words = (piece_base[present] // _WORD)[:, None] + np.arange(len(opaque))[None, :]
-        words[at_words] = sizes_all[opaque][:, present].T
+        at_words = (piece_base // _WORD)[:, None] + np.arange(len(opaque))[None, :]
+        words[at_words] = sizes_all[opaque].T
     bases = piece_base - np.asarray(group_offsets, np.int64)[group]
     return PackedPieces(PieceTable._unchecked(
-        present.astype(np.int64), counts[present].astype(np.int64), np.zeros(len(present), np.int32), [common],
-        group[present].astype(np.int32), bases[present].astype(np.int64), piece_size[present].astype(np.int64),
+        present.astype(np.int64), counts.astype(np.int64), np.zeros(ncompact, np.int32), [common],
+        group.astype(np.int32), bases.astype(np.int64), piece_size.astype(np.int64),
         list(group_buffers),
     ))
 
@@ -561,21 +575,27 @@ KEPT_GROUPS = 256
 KEPT_GROUP_BYTES = 2**20
 
 
-def owner_groups(piece_size: npt.NDArray[np.int64], rank: int, nranks: int) -> npt.NDArray[np.int64]:
+def owner_groups(
+    piece_size: npt.NDArray[np.int64], rank: int, nranks: int, *, partition_ids: npt.NDArray[Any] | None = None
+) -> npt.NDArray[np.int64]:
     """Group of each partition for :func:`pack`: where its piece's memory is freed with others'.
 
     Parameters
     ----------
     piece_size
-        Bytes of each partition's piece (0: no piece), shape ``(npartitions,)``.
+        Bytes of each partition's piece (0: no piece), shape ``(npartitions,)``,
+        or of each partition of ``partition_ids``.
     rank, nranks
         This rank and the number of ranks (partition ``j`` is kept when
         ``j % nranks == rank``, :func:`owned_partitions`).
+    partition_ids
+        The partitions ``piece_size`` lists, increasing (``None``: all,
+        ``0 .. npartitions - 1``).
 
     Returns
     -------
     numpy.ndarray
-        ``int64`` group of each partition, shape ``(npartitions,)``. The
+        ``int64`` group of each partition, shape of ``piece_size``. The
         pieces this rank keeps wait in the postbox until their partition is
         extracted, one partition after another: neighbouring kept pieces
         share a group until it holds :data:`KEPT_GROUP_BYTES` (at most
@@ -587,9 +607,14 @@ def owner_groups(piece_size: npt.NDArray[np.int64], rank: int, nranks: int) -> n
     """
     sizes = np.asarray(piece_size, np.int64)
     npartitions = sizes.shape[0]
-    owned = owned_partitions(rank, nranks, npartitions)
-    kept = np.zeros(npartitions, dtype=bool)
-    kept[owned.start : owned.stop : owned.step] = True  # a range as a slice: no list of ids
+    if partition_ids is None:
+        owned = owned_partitions(rank, nranks, npartitions)
+        kept = np.zeros(npartitions, dtype=bool)
+        kept[owned.start : owned.stop : owned.step] = True  # a range as a slice: no list of ids
+        ids = None
+    else:
+        ids = np.asarray(partition_ids, np.int64)
+        kept = partition_owners(ids, nranks) == rank
     kept_sizes = sizes[kept]
     target = max(KEPT_GROUP_BYTES, -(-int(kept_sizes.sum()) // KEPT_GROUPS))
     # A kept piece starts a new group when the bytes before it cross a multiple of the target.
@@ -600,7 +625,7 @@ def owner_groups(piece_size: npt.NDArray[np.int64], rank: int, nranks: int) -> n
     groups[kept] = kept_group
     # Ranks other than this one, numbered after the kept groups.
     sent = ~kept
-    dest = partition_owners(np.flatnonzero(sent), nranks)
+    dest = partition_owners(np.flatnonzero(sent) if ids is None else ids[sent], nranks)
     groups[sent] = nkept_groups + dest - (dest > rank)
     return groups
 
