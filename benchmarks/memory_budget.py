@@ -10,23 +10,32 @@ order turned each round (mpshuffle, P2P; P2P, mpshuffle; ...), so that a
 change of the machine's load weighs on both. Per run it records the seconds,
 the workers' CPU-seconds (user + system, from ``/proc``) and how busy the
 disk of the spill directory was (``io_ticks`` of ``/proc/diskstats`` over
-the wall time). For each worker it prints the peak RSS next to the bound
+the wall time); where the time went: each worker thread group's user and
+system CPU (task threads, event loop, mpshuffle's progress thread; from
+``/proc/self/task`` on the workers) and Dask's task stream by key prefix
+(tasks, summed compute seconds); the peak RSS's parts (``RssAnon``,
+``RssFile``, ``RssShmem``: mapped spill-file pages count as ``RssFile``),
+and for mpshuffle the bytes its host pool handed out fresh and reused.
+With ``--perf DIR`` ``perf record -g`` samples every run's workers. For
+each worker it prints the peak RSS next to the bound
 
     idle RSS (after bootstrap and a tiny warm-up shuffle) + host budget
     + 2 x the largest input or output partition's in-memory size
 
 and writes everything to ``benchmarks/results/memory_budget.json``.
 
-Run: ``python benchmarks/memory_budget.py [--gb 0.6] [--budget-mib 64] [--repeats 1]``
+Run: ``python benchmarks/memory_budget.py [--gb 0.6] [--budget-mib 64] [--repeats 1] [--perf DIR]``
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -89,6 +98,7 @@ class RSSSampler:
         self.procs = {w: psutil.Process(pid) for w, pid in pids.items()}
         self.interval = interval
         self.peak = {w: 0 for w in pids}
+        self.peak_parts: dict[str, dict[str, int]] = {w: {} for w in pids}  # RssAnon/File/Shmem at the peak
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -97,10 +107,18 @@ class RSSSampler:
         while not self._stop.is_set():
             for w, p in self.procs.items():
                 try:
-                    rss = p.memory_info().rss
-                except psutil.Error:
+                    with open(f"/proc/{p.pid}/status") as f:
+                        parts = {
+                            k: int(v.split()[0]) * 1024
+                            for k, v in (line.split(":", 1) for line in f)
+                            if k in ("RssAnon", "RssFile", "RssShmem")
+                        }
+                except (OSError, ValueError):
                     continue
-                self.peak[w] = max(self.peak[w], rss)
+                rss = sum(parts.values())
+                if rss > self.peak[w]:
+                    self.peak[w] = rss
+                    self.peak_parts[w] = parts
             self.samples += 1
             self._stop.wait(self.interval)
 
@@ -166,23 +184,88 @@ def disk_ticks(name: str | None) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
-def run_phase(name: str, client: Client, shuffled: dd.DataFrame, disk: str | None) -> dict[str, Any]:
-    """Compute the sizes of ``shuffled``'s partitions while sampling RSS, CPU and the disk's busy time."""
+def thread_ticks() -> dict[int, tuple[str, int, int]]:
+    """Every thread of this (worker) process: native id -> (name, user ticks, system ticks)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(tid), stat[stat.index("(") + 1 : stat.rindex(")")])
+        out[int(tid)] = (name, int(fields[11]), int(fields[12]))
+    return out
+
+
+def thread_cpu(before: dict[int, Any], after: dict[int, Any]) -> dict[str, list[float]]:
+    """CPU-seconds ``[user, system]`` per thread group (task threads, event loop, progress thread, others)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for tid, (name, u, s) in after.items():
+        _, u0, s0 = before.get(tid, (name, 0, 0))
+        group = next(
+            (g for g in ("mpshuffle-progress", "Dask-Default-Threads", "MainThread", "Dask-Offload") if g in name),
+            "other",
+        )
+        out[group][0] += (u - u0) / tick
+        out[group][1] += (s - s0) / tick
+    return {k: [round(v[0], 2), round(v[1], 2)] for k, v in out.items()}
+
+
+def task_seconds(stream: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per key prefix of Dask's task stream: ``[tasks, summed compute seconds]``."""
+    out: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for ts in stream:
+        key = ts["key"][0] if isinstance(ts["key"], tuple) else ts["key"]
+        prefix = key.rsplit("-", 1)[0] if "-" in key else key
+        out[prefix][0] += 1
+        out[prefix][1] += sum(s["stop"] - s["start"] for s in ts["startstops"] if s["action"] == "compute")
+    return {k: [v[0], round(v[1], 2)] for k, v in out.items()}
+
+
+def run_phase(
+    name: str, client: Client, shuffled: dd.DataFrame, disk: str | None, perf: str = ""
+) -> dict[str, Any]:
+    """Compute the sizes of ``shuffled``'s partitions while sampling RSS, CPU and the disk's busy time.
+
+    With ``perf`` (a file path), ``perf record -g`` samples the workers meanwhile into that file.
+    """
     pids = worker_pids(client)
+    recorder = None
+    if perf:
+        recorder = subprocess.Popen(
+            ["perf", "record", "-e", "cpu-clock", "-F", "499", "-g", "-p", ",".join(map(str, pids.values())),
+             "-o", perf],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)
+    client.get_task_stream(start=time.time())  # installs the scheduler's task stream plugin on first use
+    threads0 = client.run(thread_ticks)
     cpu0 = worker_cpu_seconds(pids)
     ticks0 = disk_ticks(disk)
     with RSSSampler(pids) as sampler:
         t0 = time.perf_counter()
+        wall0 = time.time()
         sizes = shuffled.map_partitions(partition_sizes, meta={"rows": "i8", "nbytes": "i8"}).compute()
         seconds = time.perf_counter() - t0
     ticks1 = disk_ticks(disk)
     cpu1 = worker_cpu_seconds(pids)
+    threads1 = client.run(thread_ticks)
+    if recorder is not None:
+        recorder.send_signal(2)
+        recorder.wait()
     return {
+        "thread_cpu_seconds": {w: thread_cpu(threads0[w], threads1[w]) for w in threads1 if w in threads0},
+        "task_seconds": task_seconds(client.get_task_stream(start=wall0)),
         "name": name,
         "seconds": seconds,
         "rows": int(sizes["rows"].sum()),
         "largest_output_partition_bytes": int(sizes["nbytes"].max()),
         "peak_rss": sampler.peak,
+        "peak_rss_parts": sampler.peak_parts,
         "samples": sampler.samples,
         "worker_cpu_seconds": {w: cpu1[w] - cpu0[w] for w in cpu1 if w in cpu0},
         "disk": disk,
@@ -190,6 +273,21 @@ def run_phase(name: str, client: Client, shuffled: dd.DataFrame, disk: str | Non
         "disk_read_bytes": (ticks1[1] - ticks0[1]) * 512,
         "disk_written_bytes": (ticks1[2] - ticks0[2]) * 512,
     }
+
+
+def pool_stats(dask_worker: Any) -> dict[str, int]:
+    """The worker's host pool's counters (``HostPool.stats``: bytes handed out reused and fresh so far)."""
+    from mpshuffle.dask.worker import PLUGIN_NAME
+
+    return dask_worker.plugins[PLUGIN_NAME].context.pool.stats()  # type: ignore[no-any-return]
+
+
+def perf_file(directory: str, kind: str, r: int) -> str:
+    """Where ``--perf`` writes run ``r`` of method ``kind`` ("" without ``--perf``)."""
+    if not directory:
+        return ""
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{kind}-{r}.data")
 
 
 def main() -> None:
@@ -209,6 +307,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1,
         help="rounds; each runs every method once, each on a fresh cluster, the order turned by one every round",
+    )
+    parser.add_argument(
+        "--perf", default="", help="record every run's workers with `perf record -g` into DIR/<method>-<round>.data"
     )
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "memory_budget.json")
@@ -274,14 +375,21 @@ def main() -> None:
                     bootstrap_dask_cluster(client, spill_host=budget)
                     shuffle(warm, "k", npartitions=2).compute()
                     idle = idle_rss(client)
-                    phase = run_phase(kind, client, shuffle(df, "k", npartitions=args.partitions), disk)
+                    pool0 = client.run(pool_stats)
+                    phase = run_phase(
+                        kind, client, shuffle(df, "k", npartitions=args.partitions), disk, perf_file(args.perf, kind, r)
+                    )
                     stats = gather_statistics(client)
                     phase["statistics"] = {w: runs_[-1] for w, runs_ in stats.items() if runs_}
+                    pool1 = client.run(pool_stats)
+                    phase["pool_bytes"] = {
+                        w: {k: pool1[w][k] - pool0[w][k] for k in ("reused_bytes", "fresh_bytes")} for w in pool1
+                    }
                 else:
                     warm.shuffle("k", npartitions=2, shuffle_method="p2p").compute()
                     idle = idle_rss(client)
                     shuffled = df.shuffle("k", npartitions=args.partitions, shuffle_method="p2p")
-                    phase = run_phase(kind, client, shuffled, disk)
+                    phase = run_phase(kind, client, shuffled, disk, perf_file(args.perf, kind, r))
                 phase["idle_rss"] = idle
                 phase["round"] = r
                 phase["load_average"] = os.getloadavg()
@@ -290,9 +398,13 @@ def main() -> None:
                     f"round {r} {kind}: {phase['seconds']:.1f} s, workers' CPU "
                     f"{sum(phase['worker_cpu_seconds'].values()):.1f} s, disk busy "
                     f"{phase['disk_busy_fraction']:.0%}, peak RSS MiB "
-                    f"{sorted(round(v / MiB) for v in phase['peak_rss'].values())}",
+                    f"{sorted(round(v / MiB) for v in phase['peak_rss'].values())} (anon/file/shmem "
+                    f"{[[round(v / MiB) for v in parts.values()] for parts in phase['peak_rss_parts'].values()]})",
                     flush=True,
                 )
+                for w, groups in sorted(phase["thread_cpu_seconds"].items()):
+                    print(f"    {w} threads [user, sys] CPU-s: {dict(sorted(groups.items()))}", flush=True)
+                print(f"    tasks [count, compute s]: {phase['task_seconds']}", flush=True)
     result["load_average_end"] = os.getloadavg()
     result["runs"] = runs
 

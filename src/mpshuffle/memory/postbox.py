@@ -7,7 +7,8 @@ chunks are kept in memory while the host use of the worker's
 budget goes one tier down at once, into the store's
 :class:`~mpshuffle.memory.store.DiskTier`, as its data frames (no per-row or
 per-piece work, one ``writev`` into the rank's one spill file), and its
-pieces' byte ranges are read back when their partition is popped.
+pieces' byte ranges are mapped back (read where the file cannot be mapped)
+when their partition is popped.
 
 A chunk is held as one :class:`Chunk`: its pieces' partitions, row counts,
 metadata and byte ranges are arrays, so nothing is built per piece while it
@@ -518,15 +519,18 @@ class Postbox:
         are returned; the others' are dropped (and not read back from disk).
         It is asked once per chunk while it is the same function.
 
-        Spilled pieces are read back (one read of each piece's byte range,
-        all into one buffer) and returned as zero-copy slices of that buffer.
+        Spilled pieces come back as read-only mappings of their byte ranges
+        of the spill file (:meth:`~mpshuffle.memory.store.DiskTier.view`:
+        one per piece, no copy), or where the file cannot be mapped, read
+        into one buffer (one read of each piece's range) and returned as
+        zero-copy slices of it.
 
         Returns
         -------
         PieceTable
             The pieces (empty if there are none): their arrays, over the
-            chunks' frames and the read-back buffer; no object is built per
-            piece until one is asked for.
+            chunks' frames and the spilled pieces' mappings (or read-back
+            buffer); no object is built per piece until one is asked for.
 
         Raises
         ------
@@ -565,16 +569,22 @@ class Postbox:
             on_disk = np.flatnonzero(~in_memory)
             ranges = list(zip(pieces.position[on_disk].tolist(), pieces.size[on_disk].tolist(), strict=True))
             try:
-                read_back, at = self.disk.read(ranges)
+                read_back = self.disk.view(ranges)
             except SpillError as e:
                 with self._lock:
                     self._done(pieces.chunk)
                 self._fail(e)
                 raise
-            buffers.append(read_back)
-            offset[on_disk] = at
-        if len(buffers) > len(frames):
-            buffers[-1] = pa.py_buffer(buffers[-1])  # the read-back buffer (the frames are Buffers already)
+            # One buffer per distinct read-back buffer (a mapping per piece,
+            # or one buffer they all share where the file was read instead).
+            seen: dict[int, int] = {}
+            for k, (buf, at) in zip(on_disk.tolist(), read_back, strict=True):
+                number = seen.get(id(buf))
+                if number is None:
+                    number = seen[id(buf)] = len(buffers)
+                    buffers.append(pa.py_buffer(buf))
+                buffer_of[k] = number
+                offset[k] = at
         table = PieceTable._unchecked(
             np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows.astype(np.int64),
             meta_of.astype(np.int32), meta_list, buffer_of, offset, pieces.size.astype(np.int64), buffers,

@@ -7,8 +7,10 @@ append-only file, kept open, a chunk's buffers in one ``writev``, unchanged
 at offsets that are multiples of :data:`ALIGNMENT` bytes (so what is read
 back is aligned and used in place), no row looked at on the way out or
 back, the small per-piece metadata staying in memory with its owner's
-index; reading a partition back reads its pieces' byte ranges (one
-``preadv`` each) into one aligned buffer. One open file whatever the number
+index; a partition's pieces come back as read-only mappings of their byte
+ranges (:meth:`SpillDirectory.map_ranges`, no copy) or, read by range
+(one ``preadv`` each), into one aligned buffer
+(:meth:`SpillDirectory.read_ranges`). One open file whatever the number
 of output partitions; the file's space is given back when the run ends.
 The one store's disk tier (:class:`~mpshuffle.memory.store.DiskTier`) is
 this layout, for the host and the device runs alike.
@@ -24,13 +26,18 @@ removed: its lock is held for as long as it exists.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import logging
+import mmap
 import os
 import shutil
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -198,6 +205,80 @@ class SpillDirectory:
                 raise self._error("read from", e) from e
         return buf, positions
 
+    def map_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]] | None:
+        """Map byte ranges of the rank's one file read-only, instead of copying them out (:meth:`read_ranges`).
+
+        Each range gets a shared read-only mapping of its own pages, brought
+        in with ``madvise(MADV_POPULATE_READ)`` before this returns, so a read
+        error is a :class:`~mpshuffle.errors.SpillError` here, as with
+        :meth:`read_ranges`, not a signal later, and the pages are mapped in
+        one call per range rather than one fault per few pages. Readers then
+        read the page cache's pages in place: no copy into a fresh buffer and
+        none of that buffer's page faults (an extract's read-back, 3 GB of
+        fresh memory per worker in the 4.5 GB out-of-core case,
+        ``benchmarks/results/README.md``). One mapping per range, not one
+        over all of them: the kernel maps a file's large folios (up to 2 MiB)
+        whole where the mapping covers them, so one mapping spanning an
+        output partition's scattered pieces held ~6x their bytes in the
+        process's RSS. Mappings are made with libc directly (Python's
+        :class:`mmap.mmap` duplicates the file descriptor for each, and an
+        extract may map thousands of pieces), and each is unmapped when its
+        array and every view of it are gone; the file's later removal does
+        not end them.
+
+        Parameters
+        ----------
+        ranges
+            ``(offset, nbytes)`` of each range, written by :meth:`append`.
+
+        Returns
+        -------
+        list of (numpy.ndarray, int), or None
+            Per range, a read-only ``uint8`` array over its mapping and where
+            the range starts in it (offsets written by :meth:`append` keep
+            their 64-byte alignment); ``None`` where this file or system
+            cannot be mapped that way (no libc ``mmap``, a filesystem without
+            shared mappings, or a kernel before Linux 5.14 without
+            ``MADV_POPULATE_READ``): then use :meth:`read_ranges`.
+
+        Raises
+        ------
+        SpillError
+            If the file cannot be read (the error ``madvise`` reports) or
+            ends before a range does.
+        """
+        libc = _libc()
+        if libc is None or not ranges:
+            return None
+        page = mmap.ALLOCATIONGRANULARITY
+        out: list[tuple[Any, int]] = []
+        with self._lock:
+            fd = self._fd
+            if fd is None:
+                raise SpillError(f"spill directory {self.path} on {self.owner} has no spill file")
+            for offset, nbytes in ranges:
+                if offset + nbytes > self._end:
+                    raise SpillError(f"spill file in {self.path} on {self.owner} ends before byte {offset + nbytes}")
+                if not nbytes:
+                    out.append((_EMPTY, 0))
+                    continue
+                start = offset // page * page
+                length = offset + nbytes - start
+                address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+                if address is None or address == _MAP_FAILED:
+                    return None  # a filesystem without shared mappings: read instead
+                if libc.madvise(address, length, _MADV_POPULATE_READ) != 0:
+                    err = ctypes.get_errno()
+                    libc.munmap(address, length)
+                    if err == errno.EINVAL:
+                        return None  # a kernel without MADV_POPULATE_READ
+                    raise self._error("read from", OSError(err, os.strerror(err)))
+                array = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(address))
+                array.flags.writeable = False
+                weakref.finalize(array, libc.munmap, address, length)
+                out.append((array, offset - start))
+        return out
+
     def remove(self) -> None:
         """Delete the directory and every file in it; later writes fail. Idempotent."""
         with self._lock:
@@ -210,6 +291,33 @@ class SpillDirectory:
             if self._owner_fd is not None:
                 _disown(self.path, self._owner_fd)
                 self._owner_fd = None
+
+
+# madvise advice that faults a range's pages in and reports read errors (Linux 5.14+).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_EMPTY = np.zeros(0, np.uint8)
+_EMPTY.flags.writeable = False
+
+
+@functools.cache
+def _libc() -> Any:
+    """libc with ``mmap``, ``madvise`` and ``munmap`` typed for :meth:`SpillDirectory.map_ranges`.
+
+    ``None`` off Linux (the advice number is Linux's) or where libc lacks them.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
 
 # Buffers per writev: below Linux's IOV_MAX (1024).
 _IOV = 512

@@ -306,6 +306,29 @@ class DiskTier:
         self.bytes_read += sum(n for _, n in ranges)
         return buf, positions
 
+    def view(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        """The ``(offset, nbytes)`` ranges without copying them: per range, a read-only buffer and where it starts.
+
+        As :meth:`read` for readers that only read the ranges (the host runs'
+        extracts, which copy every piece into the output): read-only
+        mappings of the file's pages (:meth:`SpillDirectory.map_ranges`), or,
+        where the file or the system cannot be mapped that way, one buffer
+        of fresh memory read by :meth:`read` (every range then names it).
+
+        Raises
+        ------
+        SpillError
+            If the file cannot be read or ends early.
+        """
+        t0 = time.perf_counter()
+        mapped = self.directory.map_ranges(ranges)
+        if mapped is None:
+            buf, positions = self.read(ranges)
+            return [(buf, at) for at in positions]
+        self.seconds_read += time.perf_counter() - t0
+        self.bytes_read += sum(n for _, n in ranges)
+        return mapped
+
     def remove(self) -> None:
         """Delete the spill file and its directory; later writes raise :class:`SpillError`. Idempotent."""
         self.directory.remove()

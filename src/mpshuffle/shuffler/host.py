@@ -83,6 +83,15 @@ RELEASE_GROUPS = 8
 #: sends one chunk there, and the number of chunks stays linear in bytes, not
 #: in partitions.
 RELEASE_MIN_BYTES = 2**20
+#: Chunks of one insert in flight to one destination at most (sent, not yet
+#: taken by the receiver). Two, not one: while the receiver takes a chunk
+#: (maps it, and past its host budget writes it to its spill file) the next is
+#: already there, so its progress thread goes on without waiting for this
+#: sender's task thread to wake up and send again: with one, each of an
+#: insert's ~16 chunks in the 4.5 GB out-of-core case waited for that round
+#: trip, and the workers used more CPU (``benchmarks/results/README.md``).
+#: What is in flight stays within the insert's own pieces, which exist anyway.
+IN_FLIGHT = 2
 
 
 class Shuffler(Run):
@@ -159,10 +168,10 @@ class Shuffler(Run):
     def insert(self, input_index: int, pieces: Mapping[int, PackedData], attempt: str = "") -> None:
         """Send the pieces of one input partition to their owners.
 
-        Back-pressure: at most one chunk (about ``batch_bytes``) per
-        destination rank is in flight; before sending the next chunk to a
-        rank this waits, in the calling (task) thread, until the previous one
-        was handed to the transport. Receivers keep their memory bounded by
+        Back-pressure: at most :data:`IN_FLIGHT` chunks (about ``batch_bytes``
+        each) per destination rank are in flight; before sending the next
+        chunk to a rank this waits, in the calling (task) thread, until the
+        oldest of them was handed to the transport. Receivers keep their memory bounded by
         spilling, and while a receiver writes a spill file it reads no more
         data, so a slow disk slows the senders down instead of filling memory.
         The pieces are accounted as host memory while this call holds them.
@@ -191,16 +200,17 @@ class Shuffler(Run):
         nranks, timeout = self.comm.nranks, self.timeout
         table = _table_of(pieces)
         reservation = self.postbox.resource.reserve(MemoryType.HOST, table.nbytes)
-        in_flight: dict[int, Any] = {}
+        in_flight: dict[int, list[Any]] = {}
         try:
             for dest, ix in _batches(table, nranks, self._batch_bytes):
                 self._send_after(in_flight, dest, (input_index, attempt), table, ix, timeout)
             # One deadline for the last chunks: the error names every rank
             # that did not take its chunk, after one timeout at most.
             deadline, unsent = time.monotonic() + timeout, []
-            for dest, fut in in_flight.items():
+            for dest, futs in in_flight.items():
                 try:
-                    fut.result(max(0.0, deadline - time.monotonic()))
+                    for fut in futs:
+                        fut.result(max(0.0, deadline - time.monotonic()))
                 except concurrent.futures.TimeoutError:
                     unsent.append(dest)
             if unsent:
@@ -214,18 +224,18 @@ class Shuffler(Run):
             self.statistics["seconds_insert"] += time.perf_counter() - t0
 
     def _send_after(
-        self, in_flight: dict[int, Any], dest: int, source: tuple[int, str],
+        self, in_flight: dict[int, list[Any]], dest: int, source: tuple[int, str],
         table: PieceTable, ix: npt.NDArray[np.int64], timeout: float,
     ) -> None:
-        """Send a chunk to ``dest`` once the previous chunk to ``dest`` has gone."""
-        previous = in_flight.get(dest)
-        if previous is not None:
+        """Send a chunk to ``dest`` once fewer than :data:`IN_FLIGHT` chunks to ``dest`` are in flight."""
+        futs = in_flight.setdefault(dest, [])
+        if len(futs) >= IN_FLIGHT:
             try:
-                previous.result(timeout)
+                futs.pop(0).result(timeout)
             except concurrent.futures.TimeoutError:
                 self._raise_unsent([dest], timeout)
             self._raise_if_failed()
-        in_flight[dest] = self._send_chunk(dest, source, table, ix)
+        futs.append(self._send_chunk(dest, source, table, ix))
 
     def _raise_unsent(self, dests: list[int], timeout: float) -> None:
         """Raise the timeout of sends that did not complete, naming the ranks that stopped reading.
