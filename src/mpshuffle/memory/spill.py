@@ -41,6 +41,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from mpshuffle.errors import SpillError
 from mpshuffle.memory.pool import ALIGNMENT, aligned_empty
 
