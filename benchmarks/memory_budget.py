@@ -36,11 +36,13 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
+import cloudpickle
 import dask
 import dask.dataframe as dd
 import numpy as np
@@ -52,6 +54,12 @@ from distributed import Client, LocalCluster
 
 import mpshuffle
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, shuffle
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import thread_cpu as per_thread
+
+# Workers run per_thread.snapshot (benchmarks/thread_cpu.py) through client.run and cannot import the benchmarks folder.
+cloudpickle.register_pickle_by_value(per_thread)
 
 MiB = 2**20
 # Bytes per row in memory: int64 + float64 + an 11-character pyarrow string
@@ -184,22 +192,6 @@ def disk_ticks(name: str | None) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
-def thread_ticks() -> dict[int, tuple[str, int, int]]:
-    """Every thread of this (worker) process: native id -> (name, user ticks, system ticks)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        name = names.get(int(tid), stat[stat.index("(") + 1 : stat.rindex(")")])
-        out[int(tid)] = (name, int(fields[11]), int(fields[12]))
-    return out
-
-
 def thread_cpu(before: dict[int, Any], after: dict[int, Any]) -> dict[str, list[float]]:
     """CPU-seconds ``[user, system]`` per thread group (task threads, event loop, progress thread, others)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -243,7 +235,7 @@ def run_phase(
         )
         time.sleep(0.5)
     client.get_task_stream(start=time.time())  # installs the scheduler's task stream plugin on first use
-    threads0 = client.run(thread_ticks)
+    threads0 = client.run(per_thread.snapshot)
     cpu0 = worker_cpu_seconds(pids)
     ticks0 = disk_ticks(disk)
     with RSSSampler(pids) as sampler:
@@ -253,7 +245,7 @@ def run_phase(
         seconds = time.perf_counter() - t0
     ticks1 = disk_ticks(disk)
     cpu1 = worker_cpu_seconds(pids)
-    threads1 = client.run(thread_ticks)
+    threads1 = client.run(per_thread.snapshot)
     if recorder is not None:
         recorder.send_signal(2)
         recorder.wait()

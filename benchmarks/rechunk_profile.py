@@ -21,31 +21,20 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cloudpickle
 import dask
+import thread_cpu
 from distributed import Client, LocalCluster, wait
 from rechunk_bench import check, source
 
 import mpshuffle.dask
 
-
-def _threads() -> dict[int, tuple[str, int, int]]:
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        name = names.get(int(tid), stat[stat.index("(") + 1 : stat.rindex(")")])
-        out[int(tid)] = (name, int(fields[11]), int(fields[12]))
-    return out
+# Workers run thread_cpu.snapshot through client.run and cannot import the benchmarks folder.
+cloudpickle.register_pickle_by_value(thread_cpu)
 
 
 def _group(name: str) -> str:
@@ -113,13 +102,13 @@ def main() -> None:
                          "-o", f"{a.perf}/{a.case}-{r}.data"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                     time.sleep(0.5)
-                before = client.run(_threads)
+                before = client.run(thread_cpu.snapshot)
                 client.get_task_stream(start=time.time())  # clear nothing; mark start
                 t0 = time.time()
                 z = y.persist()
                 wait(z)
                 seconds = time.time() - t0
-                after = client.run(_threads)
+                after = client.run(thread_cpu.snapshot)
                 stream = client.get_task_stream(start=t0)
                 for s in spies:
                     s.send_signal(2)
