@@ -53,7 +53,9 @@ def paused() -> Iterator[None]:
     workers: a bootstrap took 3.5 s while the kernels loaded and 0.25 s
     after. (On the lent 16-core host a fresh 16-worker cluster's first graph
     also took 2.2-3.6 s against 0.03 s, but pausing did not change that:
-    its cause there is another.) The warm-up finishes the step it is in
+    there every worker was setting up the host's GPU as it joined, which
+    :class:`~mpshuffle.shuffler.context.WorkerContext` now does only at its
+    first device run.) The warm-up finishes the step it is in
     (one or two signatures: ~0.2 s loading, longer where it compiles) and
     waits. Holds nest; the body may be asynchronous code (nothing here blocks).
     """
