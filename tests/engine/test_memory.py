@@ -167,7 +167,7 @@ def test_spill_directory_map_ranges_refuses_a_range_past_the_end_and_falls_back_
     (at,) = d.append([b"abc"])
     with pytest.raises(SpillError, match="ends before byte 68"):
         d.map_ranges([(at, 68)])
-    monkeypatch.setattr(spill_module, "_MADV_POPULATE_READ", -1)  # EINVAL, as from a kernel before 5.14
+    monkeypatch.setattr(spill_module, "MADV_POPULATE_READ", -1)  # EINVAL, as from a kernel before 5.14
     assert d.map_ranges([(at, 3)]) is None
     res = BufferResource({MemoryType.HOST: 0}, spill_dir=str(tmp_path))
     box = Postbox(res, "fallback")

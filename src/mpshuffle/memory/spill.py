@@ -29,12 +29,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
-import functools
 import logging
 import mmap
 import os
 import shutil
-import sys
 import threading
 import time
 import weakref
@@ -44,6 +42,8 @@ from typing import Any
 import numpy as np
 
 from mpshuffle.errors import SpillError
+from mpshuffle.memory import _pages
+from mpshuffle.memory._pages import MADV_POPULATE_READ
 from mpshuffle.memory.pool import ALIGNMENT, aligned_empty
 
 __all__ = ["ALIGNMENT", "SpillDirectory", "remove_orphans"]
@@ -249,7 +249,7 @@ class SpillDirectory:
             If the file cannot be read (the error ``madvise`` reports) or
             ends before a range does.
         """
-        libc = _libc()
+        libc = _pages.libc()
         if libc is None or not ranges:
             return None
         page = mmap.ALLOCATIONGRANULARITY
@@ -269,7 +269,7 @@ class SpillDirectory:
                 address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
                 if address is None or address == _MAP_FAILED:
                     return None  # a filesystem without shared mappings: read instead
-                if libc.madvise(address, length, _MADV_POPULATE_READ) != 0:
+                if libc.madvise(address, length, MADV_POPULATE_READ) != 0:
                     err = ctypes.get_errno()
                     libc.munmap(address, length)
                     if err == errno.EINVAL:
@@ -295,30 +295,9 @@ class SpillDirectory:
                 self._owner_fd = None
 
 
-# madvise advice that faults a range's pages in and reports read errors (Linux 5.14+).
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _EMPTY = np.zeros(0, np.uint8)
 _EMPTY.flags.writeable = False
-
-
-@functools.cache
-def _libc() -> Any:
-    """libc with ``mmap``, ``madvise`` and ``munmap`` typed for :meth:`SpillDirectory.map_ranges`.
-
-    ``None`` off Linux (the advice number is Linux's) or where libc lacks them.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    except (OSError, AttributeError):
-        return None
-    return libc
 
 
 # Buffers per writev: below Linux's IOV_MAX (1024).
