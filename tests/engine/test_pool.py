@@ -177,3 +177,147 @@ def test_owner_groups_share_blocks_by_bytes_and_destination(
     # A kept piece starts a group when the bytes before it cross a multiple of the target.
     assert n == len({k * piece_bytes // target for k in range(m)})
     assert np.all(np.diff(kept_groups) >= 0)  # neighbours share
+
+
+def _thread_minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_fresh_pool_blocks_are_faulted_in_at_once() -> None:
+    from mpshuffle.memory import _pages
+    from mpshuffle.memory.pool import prefaulted_empty
+
+    nbytes = 8 * MiB
+    # Without the advice a fresh block's first write faults once per 4 KiB
+    # page (or per huge page, where the kernel gives them).
+    plain = np.empty(nbytes, np.uint8)
+    before = _thread_minor_faults()
+    plain[:] = 1
+    plain_faults = _thread_minor_faults() - before
+    block = prefaulted_empty(nbytes)
+    assert block.nbytes == nbytes and block.ctypes.data % 64 == 0 and block.flags.writeable
+    if not _pages._populate_write_works:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    before = _thread_minor_faults()
+    block[:] = 2
+    faults = _thread_minor_faults() - before
+    assert faults <= 2 and faults < max(plain_faults, 3)  # only the partial pages at the ends
+    assert int(block.sum()) == 2 * nbytes and int(plain.sum()) == nbytes
+    # Pool blocks come out that way too.
+    pool = HostPool(64 * MiB)
+    buf = pool.allocate(3 * MiB)
+    before = _thread_minor_faults()
+    np.frombuffer(buf, np.uint8)[:] = 3
+    assert _thread_minor_faults() - before <= 2
+
+
+def test_populate_write_declines_small_blocks_and_keeps_contents() -> None:
+    from mpshuffle.memory._pages import POPULATE_MIN_BYTES, populate_write
+
+    small = np.full(POPULATE_MIN_BYTES - 1, 5, np.uint8)
+    assert populate_write(small) is False
+    block = np.full(4 * POPULATE_MIN_BYTES, 9, np.uint8)
+    populate_write(block)  # touched already: the advice must not change a byte
+    assert (block == 9).all()
+
+
+@pytest.mark.parametrize("adapter", [PandasAdapter(), ArrowAdapter()], ids=["pandas", "arrow"])
+def test_an_inserts_per_row_arrays_come_from_the_pool_and_are_reused(adapter: object) -> None:
+    from mpshuffle.table._columns import SCRATCH_POOL_MIN, scratch_empty
+
+    rng = np.random.default_rng(3)
+    nrows = 200_000  # partition ids (1 byte a row) and ranks (4) above SCRATCH_POOL_MIN
+    assert nrows >= SCRATCH_POOL_MIN
+    frame = pd.DataFrame({"key": rng.integers(0, 10**9, nrows), "v": rng.random(nrows)})
+    if isinstance(adapter, ArrowAdapter):
+        import pyarrow as pa
+
+        frame = pa.Table.from_pandas(frame, preserve_index=False)
+    pool = HostPool(256 * MiB, per_class=64)
+    plain = adapter.split(frame, ["key"], 8)  # type: ignore[attr-defined]
+    pooled = adapter.split_for(frame, ["key"], 8, rank=0, nranks=2, pool=pool)  # type: ignore[attr-defined]
+    piece_bytes = sum(v.data.size for v in pooled.values())
+    # The pieces' blocks and the per-row arrays (ids and ranks) all came from the pool.
+    assert pool.fresh_bytes >= piece_bytes + 5 * nrows
+    meta = frame.iloc[:0] if isinstance(frame, pd.DataFrame) else frame.schema
+    assert sorted(plain) == sorted(pooled)
+    for pid in plain:
+        assert adapter.unpack([plain[pid]], meta).equals(adapter.unpack([pooled[pid]], meta))  # type: ignore[attr-defined]
+    del pooled
+    gc.collect()
+    fresh = pool.fresh_bytes
+    again = adapter.split_for(frame, ["key"], 8, rank=0, nranks=2, pool=pool)  # type: ignore[attr-defined]
+    assert pool.fresh_bytes == fresh  # the second insert took no fresh memory at all
+    assert sorted(again) == sorted(plain)
+    # Without a pool, or below the threshold, NumPy's own arrays.
+    assert scratch_empty(None) is np.empty
+    small = scratch_empty(pool)(10, np.uint32)
+    assert small.dtype == np.uint32 and small.shape == (10,) and small.base is None
+    big = scratch_empty(pool)(SCRATCH_POOL_MIN, np.uint32)
+    assert big.dtype == np.uint32 and big.shape == (SCRATCH_POOL_MIN,) and big.flags.writeable
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice and smaps are Linux's")
+def test_huge_page_blocks_start_on_a_huge_page_and_keep_their_tail_in_small_pages() -> None:
+    from mpshuffle.memory._pages import HUGE_PAGE, huge_page_empty
+
+    nbytes = 2 * HUGE_PAGE + 12345
+    block = huge_page_empty(nbytes)
+    assert block.shape == (nbytes,) and block.dtype == np.uint8 and block.flags.writeable
+    address = block.ctypes.data
+    assert address % HUGE_PAGE == 0
+    assert "hg" in _vm_flags(address) and "hg" in _vm_flags(address + 2 * HUGE_PAGE - 1)
+    assert "nh" in _vm_flags(address + 2 * HUGE_PAGE)  # the tail: no huge page for 12345 bytes
+    block[:] = 7
+    assert int(block[-1]) == 7 and int(block.sum()) == 7 * nbytes
+    small = huge_page_empty(1000)  # below two huge pages: plain aligned memory
+    assert small.shape == (1000,) and small.ctypes.data % 64 == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice is Linux's")
+def test_a_gathered_partition_lies_in_one_block_from_a_huge_page() -> None:
+    import pyarrow as pa
+
+    from mpshuffle.memory._pages import HUGE_PAGE
+    from mpshuffle.table._columns import gather
+
+    rng = np.random.default_rng(5)
+    n = 400_000
+    frame = pd.DataFrame({
+        "key": rng.integers(0, 10**9, n),
+        "x": rng.random(n),
+        "s": pd.array([f"s{i % 977}" if i % 7 else None for i in range(n)], dtype="str"),
+        "b": rng.random(n) > 0.5,
+    })
+    adapter = PandasAdapter()
+    pieces = [adapter.split(frame.iloc[i::3], ["key"], 2)[0] for i in range(3)]
+    table, _, _ = gather(pieces)  # type: ignore[misc]
+    addresses = [b.address for col in table.columns for chunk in col.chunks for b in chunk.buffers() if b is not None]
+    lo = min(addresses)
+    assert lo % HUGE_PAGE == 0
+    assert max(addresses) - lo < table.nbytes + 64 * len(addresses)  # one block, buffers end to end
+    out = adapter.unpack(pieces, frame.iloc[:0])
+    # The oracle reads each piece on its own (read_piece: no gather, no shared block).
+    from mpshuffle.table._columns import read_piece
+
+    expected = pa.concat_tables([read_piece(p)[0] for p in pieces]).to_pandas()
+    assert len(out) == len(expected) > 0
+    assert out.reset_index(drop=True).equals(expected.astype(frame.dtypes).reset_index(drop=True))
+    assert out.dtypes.equals(frame.dtypes)

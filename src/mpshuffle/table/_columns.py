@@ -37,7 +37,7 @@ import json
 import pickle
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,7 @@ import pandas as pd
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
+from mpshuffle.memory._pages import huge_page_empty
 from mpshuffle.memory.packed import PackedData, PackedPieces, PieceTable
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
@@ -288,8 +289,34 @@ class Split:
     counts: Any
 
 
+#: Per-row scratch arrays below this many bytes come from NumPy, larger ones from the pool (:func:`scratch_empty`).
+SCRATCH_POOL_MIN = 64 * 1024
+
+
+def scratch_empty(pool: HostPool | None) -> Callable[[int, Any], npt.NDArray[Any]]:
+    """``empty(n, dtype)`` for an insert's per-row arrays (partition ids, ranks, hashes): from ``pool`` where given.
+
+    These arrays live only while the insert runs (an insert of 800,000 rows
+    makes ~4 MB of them), so from a pool they are the same few blocks insert
+    after insert instead of fresh pages each time (on the 2-core development
+    machine 59,000 page faults per shuffle of 2 GB, ``benchmarks/results/README.md``,
+    session 18). Without a pool, or below :data:`SCRATCH_POOL_MIN` bytes, NumPy's.
+    """
+    if pool is None:
+        return np.empty
+
+    def empty(n: int, dtype: Any) -> npt.NDArray[Any]:
+        dt = np.dtype(dtype)
+        if n * dt.itemsize < SCRATCH_POOL_MIN:
+            return np.empty(n, dt)
+        return pool.array(n * dt.itemsize).view(dt)
+
+    return empty
+
+
 def hash_ids(
-    keys: Sequence[Column], npartitions: int, nrows: int, names: Sequence[Any] | None = None
+    keys: Sequence[Column], npartitions: int, nrows: int, names: Sequence[Any] | None = None,
+    *, empty: Callable[[int, Any], npt.NDArray[Any]] = np.empty,
 ) -> Split:
     """Hash the key columns into partition ids, ranks and counts (see the module docstring).
 
@@ -299,6 +326,8 @@ def hash_ids(
     ``hash_arrow_column`` and combined in the same passes, so the ids are
     exactly those of :func:`mpshuffle.table.hashing.partition_ids`.
 
+    ``empty(n, dtype)`` makes the per-row arrays (:func:`scratch_empty`).
+
     Raises
     ------
     TypeError
@@ -307,10 +336,10 @@ def hash_ids(
     """
     k = _kernels()
     pdt, rdt = _pick_dtype(npartitions, nrows)
-    pid = np.empty(nrows, pdt)
-    rank = np.empty(nrows, rdt)
+    pid = empty(nrows, pdt)
+    rank = empty(nrows, rdt)
     counts = np.zeros(npartitions, np.int64)
-    acc = np.empty(nrows if len(keys) > 1 else 0, np.uint64)
+    acc = empty(nrows if len(keys) > 1 else 0, np.uint64)
     npart = np.uint64(npartitions)
     last = len(keys) - 1
     for j, col in enumerate(keys):
@@ -341,20 +370,22 @@ _PD_MULT = 1000003
 _PD_MULT_STEP = 82520
 
 
-def pandas_row_split(keys: PandasRowHash, npartitions: int) -> Split:
+def pandas_row_split(
+    keys: PandasRowHash, npartitions: int, *, empty: Callable[[int, Any], npt.NDArray[Any]] = np.empty
+) -> Split:
     """Partition ids, ranks and counts by pandas' row hash (:class:`~mpshuffle.table.hashing.PandasRowHash`).
 
     One pass per key column, the last one also ranking and counting, as
-    :func:`hash_ids` does for mpshuffle's own hash.
+    :func:`hash_ids` does for mpshuffle's own hash; ``empty`` as there.
     """
     k = _kernels()
     nrows = keys.nrows
     pdt, rdt = _pick_dtype(npartitions, nrows)
-    pid = np.empty(nrows, pdt)
-    rank = np.empty(nrows, rdt)
+    pid = empty(nrows, pdt)
+    rank = empty(nrows, rdt)
     counts = np.zeros(npartitions, np.int64)
     ncols = len(keys.columns)
-    acc = np.empty(nrows if ncols > 1 else 0, np.uint64)
+    acc = empty(nrows if ncols > 1 else 0, np.uint64)
     npart = np.uint64(npartitions)
     mult = _PD_MULT
     for j, (values, given) in enumerate(zip(keys.columns, keys.given, strict=True)):
@@ -368,11 +399,13 @@ def pandas_row_split(keys: PandasRowHash, npartitions: int) -> Split:
     return Split(pid, rank, counts)
 
 
-def rank_ids(ids: npt.NDArray[Any], npartitions: int) -> Split:
-    """Rank and count caller-given partition ids (already checked to be in range)."""
+def rank_ids(
+    ids: npt.NDArray[Any], npartitions: int, *, empty: Callable[[int, Any], npt.NDArray[Any]] = np.empty
+) -> Split:
+    """Rank and count caller-given partition ids (already checked to be in range); ``empty`` as in :func:`hash_ids`."""
     pdt, rdt = _pick_dtype(npartitions, len(ids))
-    pid = np.empty(len(ids), pdt)
-    rank = np.empty(len(ids), rdt)
+    pid = empty(len(ids), pdt)
+    rank = empty(len(ids), rdt)
     counts = np.zeros(npartitions, np.int64)
     _kernels().rank_ids(np.ascontiguousarray(ids), pid, rank, counts)
     return Split(pid, rank, counts)
@@ -893,33 +926,56 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
             nbytes_of[j, roles.index(role), sel] = nbytes_m[:, b]
     k = _kernels()
     total = int(nrows.sum())
+    bitmap = (total + 7) >> 3
+    # Every output buffer's size first, so that all of them share one block
+    # that starts on a huge page (see huge_page_empty): validity, then data
+    # (fixed, bits) or offsets and bytes (var; 32-bit offsets are gathered
+    # as 64-bit and narrowed, so they get memory of their own).
+    sizes: list[tuple[int, int, int]] = []
+    for j, (kind, _, width) in enumerate(kinds):
+        validity_bytes = bitmap if (start[j, 0] >= 0).any() else 0
+        if kind == "fixed":
+            sizes.append((validity_bytes, total * width, 0))
+        elif kind == "bits":
+            sizes.append((validity_bytes, bitmap, 0))
+        else:
+            data_bytes = int(np.where(start[j, 1] >= 0, nbytes_of[j, 1], 0).sum())
+            sizes.append((validity_bytes, (total + 1) * 8 if width == 8 else 0, data_bytes))
+    flat = np.array(sizes, np.int64).reshape(-1)
+    ends = np.cumsum(_aligned(flat))
+    block = huge_page_empty(max(int(ends[-1]), 1) if flat.size else 1)
+    views = [block[e - int(a) : e - int(a) + int(n)] for e, a, n in zip(ends.tolist(), _aligned(flat), flat, strict=True)]
     arrays = []
     for j, (kind, field, width) in enumerate(kinds):
+        bits_out, first, second = views[3 * j : 3 * j + 3]
         validity_at = start[j, 0]
         validity = None
-        if (validity_at >= 0).any():
-            bits = np.zeros((total + 7) >> 3, np.uint8)
-            k.gather_bits(address, validity_at, nrows, bits)
-            validity = pa.py_buffer(bits)
+        if sizes[j][0]:
+            bits_out[:] = 0
+            k.gather_bits(address, validity_at, nrows, bits_out)
+            validity = pa.py_buffer(bits_out)
         data_at = start[j, 1]
         if kind == "fixed":
-            out = _empty_aligned(total * width)
-            k.gather_bytes(address, data_at, nbytes_of[j, 1], out)
-            buffers = [validity, pa.py_buffer(out)]
+            k.gather_bytes(address, data_at, nbytes_of[j, 1], first)
+            buffers = [validity, pa.py_buffer(first)]
         elif kind == "bits":
-            out = np.zeros((total + 7) >> 3, np.uint8)
-            k.gather_bits(address, data_at, nrows, out)
-            buffers = [validity, pa.py_buffer(out)]
+            first[:] = 0
+            k.gather_bits(address, data_at, nrows, first)
+            buffers = [validity, pa.py_buffer(first)]
         else:
-            offsets = np.empty(total + 1, np.int64)
+            offsets = first.view(np.int64) if width == 8 else np.empty(total + 1, np.int64)
             nbytes = int(k.gather_offsets(address, start[j, 2], nrows, width, offsets))
             if width == 4 and nbytes >= 2**31:
                 return None  # more than 32-bit offsets reach: read piece by piece
-            out = _empty_aligned(nbytes)
-            k.gather_bytes(address, data_at, nbytes_of[j, 1], out)
+            if nbytes != sizes[j][2]:
+                raise ShuffleError(
+                    f"column {field!r}: the pieces' offsets give {nbytes} bytes of data, their layouts "
+                    f"{sizes[j][2]}; a piece is corrupt"
+                )
+            k.gather_bytes(address, data_at, nbytes_of[j, 1], second)
             if width == 4:
                 offsets = offsets.astype(np.int32)
-            buffers = [validity, pa.py_buffer(offsets), pa.py_buffer(out)]
+            buffers = [validity, pa.py_buffer(offsets), pa.py_buffer(second)]
         arrays.append(pa.Array.from_buffers(schema0.field(field).type, total, buffers))
     distinct = list({id(schema): schema for _, schema in parsed if schema is not None}.values())
     return pa.Table.from_arrays(arrays, schema=schema0), desc0["names"], distinct

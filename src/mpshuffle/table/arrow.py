@@ -26,6 +26,7 @@ from mpshuffle.table._columns import (
     pack,
     rank_ids,
     read_piece,
+    scratch_empty,
 )
 from mpshuffle.table._ipc import ARROW, Header, read_ipc
 from mpshuffle.table.base import FrameAdapter, check_ids
@@ -125,13 +126,14 @@ class ArrowAdapter(FrameAdapter):
             if frame.num_rows == 0:
                 return {}
             by_name = dict(zip(frame.column_names, columns, strict=True))
-            split = hash_ids([by_name[c] for c in on], npartitions, frame.num_rows, list(on))
+            split = hash_ids([by_name[c] for c in on], npartitions, frame.num_rows, list(on),
+                             empty=scratch_empty(pool))
         else:
             ids = np.asarray(ids)
             check_ids(ids, frame.num_rows, npartitions)
             if frame.num_rows == 0:
                 return {}
-            split = rank_ids(ids, npartitions)
+            split = rank_ids(ids, npartitions, empty=scratch_empty(pool))
         return pack(columns, split, frame.schema, pool=pool, owner=(rank, nranks))
 
     def unpack(self, pieces: Sequence[PackedData], meta: pa.Table | pa.Schema) -> pa.Table:

@@ -50,6 +50,7 @@ from mpshuffle.table._columns import (
     pandas_row_split,
     rank_ids,
     read_piece,
+    scratch_empty,
 )
 from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids
 from mpshuffle.table._reconcile import check_columns, reconcile
@@ -467,16 +468,17 @@ class PandasAdapter(FrameAdapter):
         if self.index and not _objects_round_trip_index(frame, columns[kept.shape[1]:]):
             return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         by_name = {str(c): col for c, col in zip(kept.columns, columns, strict=False)}
+        empty = scratch_empty(pool)
         for i in pickled:
             col = Column("pickle", i, series=frame.iloc[:, i], source=frame.iloc[:, i])
             columns.append(col)
             by_name[str(frame.columns[i])] = col
         if ids is None:
-            split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on))
+            split = hash_ids([by_name[str(c)] for c in on], npartitions, len(frame), list(on), empty=empty)
         elif isinstance(ids, PandasRowHash):
-            split = pandas_row_split(ids, npartitions)
+            split = pandas_row_split(ids, npartitions, empty=empty)
         else:
-            split = rank_ids(ids, npartitions)
+            split = rank_ids(ids, npartitions, empty=empty)
         return pack(columns, split, schema, names, pool=pool, owner=(rank, nranks))
 
     def _ids(
