@@ -292,10 +292,12 @@ def test_huge_page_blocks_start_on_a_huge_page_and_keep_their_tail_in_small_page
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice is Linux's")
-def test_a_gathered_partition_lies_in_one_block_from_a_huge_page() -> None:
+def test_a_gathered_partition_lies_in_one_block_of_output_pages() -> None:
+    import mmap
+
     import pyarrow as pa
 
-    from mpshuffle.memory._pages import HUGE_PAGE
+    from mpshuffle.memory._pages import HUGE_PAGE, free_pages_reported
     from mpshuffle.table._columns import gather
 
     rng = np.random.default_rng(5)
@@ -311,7 +313,7 @@ def test_a_gathered_partition_lies_in_one_block_from_a_huge_page() -> None:
     table, _, _ = gather(pieces)  # type: ignore[misc]
     addresses = [b.address for col in table.columns for chunk in col.chunks for b in chunk.buffers() if b is not None]
     lo = min(addresses)
-    assert lo % HUGE_PAGE == 0
+    assert lo % (mmap.PAGESIZE if free_pages_reported() else HUGE_PAGE) == 0  # output_empty's kind of page
     assert max(addresses) - lo < table.nbytes + 64 * len(addresses)  # one block, buffers end to end
     out = adapter.unpack(pieces, frame.iloc[:0])
     # The oracle reads each piece on its own (read_piece: no gather, no shared block).
@@ -321,3 +323,22 @@ def test_a_gathered_partition_lies_in_one_block_from_a_huge_page() -> None:
     assert len(out) == len(expected) > 0
     assert out.reset_index(drop=True).equals(expected.astype(frame.dtypes).reset_index(drop=True))
     assert out.dtypes.equals(frame.dtypes)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice and smaps are Linux's")
+def test_small_page_blocks_are_faulted_in_at_once_and_output_picks_the_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpshuffle.memory import _pages
+
+    nbytes = 5 * 2**20 + 999
+    block = _pages.small_page_empty(nbytes)
+    assert block.shape == (nbytes,) and block.flags.writeable and block.ctypes.data % 4096 == 0
+    assert "nh" in _vm_flags(block.ctypes.data)
+    if _pages._populate_write_works:
+        before = _thread_minor_faults()
+        block[:] = 4
+        assert _thread_minor_faults() - before <= 2  # faulted in already, but the partial last page
+    assert int(block.sum()) == 4 * nbytes
+    monkeypatch.setattr(_pages, "free_pages_reported", lambda: True)
+    assert "nh" in _vm_flags(_pages.output_empty(nbytes).ctypes.data)
+    monkeypatch.setattr(_pages, "free_pages_reported", lambda: False)
+    assert _pages.output_empty(nbytes).ctypes.data % _pages.HUGE_PAGE == 0

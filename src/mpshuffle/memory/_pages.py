@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["HUGE_PAGE", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "POPULATE_MIN_BYTES", "huge_page_empty", "libc",
-           "populate_write"]
+__all__ = ["HUGE_PAGE", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "POPULATE_MIN_BYTES", "free_pages_reported",
+           "huge_page_empty", "libc", "output_empty", "populate_write", "small_page_empty"]
 
 #: ``madvise`` advice that faults a range in for reading and reports read errors (Linux 5.14+).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -142,3 +142,66 @@ def huge_page_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     if tail:
         lib.madvise(address + whole, tail, MADV_NOHUGEPAGE)
     return block
+
+
+@functools.cache
+def free_pages_reported() -> bool:
+    """Whether this machine is a virtual machine whose kernel hands its free memory back to the host.
+
+    A virtio balloon with free page reporting (feature bit 5,
+    ``VIRTIO_BALLOON_F_REPORTING``) tells the host about every free block of
+    huge-page size after a moment; the host takes its memory back, and the
+    next touch of that block costs a fault on the host as well. Measured on
+    the 2-core development machine (a Firecracker guest that reports):
+    fresh huge pages after a 5 s rest 2.08-2.18 system CPU-s/GB against
+    0.32-0.34 for 4 KiB pages, and 0.04-0.08 when the same amount was freed
+    just before (``benchmarks/results/README.md``). Read once per process
+    from ``/sys``; ``False`` where there is no such device (bare metal, most
+    cloud machines, not Linux).
+    """
+    import glob
+
+    for path in glob.glob("/sys/bus/virtio/drivers/virtio_balloon/virtio*/features"):
+        try:
+            with open(path) as f:
+                bits = f.read().strip()
+        except OSError:
+            continue
+        if len(bits) > 5 and bits[5] == "1":
+            return True
+    return False
+
+
+def small_page_empty(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A new ``uint8`` array of ``nbytes`` in 4 KiB pages (``MADV_NOHUGEPAGE``), faulted in at once.
+
+    The counterpart of :func:`huge_page_empty` where huge pages cost more
+    than they save (:func:`free_pages_reported`): the pages come one by one
+    from the kernel's free lists, but in one ``madvise(MADV_POPULATE_WRITE)``
+    call rather than a trap each. Below :data:`POPULATE_MIN_BYTES`, or
+    without libc, a plain 64-byte aligned array.
+    """
+    lib = libc()
+    if lib is None or nbytes < POPULATE_MIN_BYTES:
+        raw = np.empty(nbytes + 64, np.uint8)
+        start = (-raw.ctypes.data) % 64
+        return raw[start : start + nbytes]
+    page = mmap.PAGESIZE
+    raw = np.empty(nbytes + page, np.uint8)
+    start = (-raw.ctypes.data) % page
+    block = raw[start : start + nbytes]
+    whole = nbytes // page * page
+    lib.madvise(block.ctypes.data, whole, MADV_NOHUGEPAGE)
+    populate_write(block)
+    return block
+
+
+def output_empty(nbytes: int) -> npt.NDArray[np.uint8]:
+    """Memory for output that is written once and kept (an extract's partition): the cheaper kind of page here.
+
+    :func:`small_page_empty` on a machine that reports its free pages to a
+    host (:func:`free_pages_reported`), :func:`huge_page_empty` elsewhere.
+    Both give a writable 1-D ``uint8`` array of ``nbytes``, 64-byte aligned
+    at least, freed with its last view.
+    """
+    return small_page_empty(nbytes) if free_pages_reported() else huge_page_empty(nbytes)

@@ -47,7 +47,7 @@ import pandas as pd
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.memory._pages import huge_page_empty
+from mpshuffle.memory._pages import output_empty
 from mpshuffle.memory.packed import PackedData, PackedPieces, PieceTable
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
@@ -928,7 +928,7 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     total = int(nrows.sum())
     bitmap = (total + 7) >> 3
     # Every output buffer's size first, so that all of them share one block
-    # that starts on a huge page (see huge_page_empty): validity, then data
+    # of the kind of page that is cheaper here (see output_empty): validity, then data
     # (fixed, bits) or offsets and bytes (var; 32-bit offsets are gathered
     # as 64-bit and narrowed, so they get memory of their own).
     sizes: list[tuple[int, int, int]] = []
@@ -943,7 +943,7 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
             sizes.append((validity_bytes, (total + 1) * 8 if width == 8 else 0, data_bytes))
     flat = np.array(sizes, np.int64).reshape(-1)
     ends = np.cumsum(_aligned(flat))
-    block = huge_page_empty(max(int(ends[-1]), 1) if flat.size else 1)
+    block = output_empty(max(int(ends[-1]), 1) if flat.size else 1)
     views = [block[e - int(a) : e - int(a) + int(n)] for e, a, n in zip(ends.tolist(), _aligned(flat), flat, strict=True)]
     arrays = []
     for j, (kind, field, width) in enumerate(kinds):
