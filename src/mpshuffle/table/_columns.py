@@ -411,18 +411,6 @@ def rank_ids(
     return Split(pid, rank, counts)
 
 
-def _words(data: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint64]:
-    """``data`` as overlapping ``uint64`` words: element ``x`` is bytes ``x .. x+7``.
-
-    Unaligned 8-byte loads and stores, which x86-64 and AArch64 do in hardware.
-    """
-    n = data.shape[0] - _WORD + 1
-    if n <= 0:
-        return np.zeros(0, np.uint64)
-    base = data[: _WORD * (data.shape[0] // _WORD)].view(np.uint64)
-    return np.lib.stride_tricks.as_strided(base, shape=(n,), strides=(1,))
-
-
 def _aligned(sizes: npt.NDArray[np.int64], align: int = _ALIGN) -> npt.NDArray[np.int64]:
     return (sizes + (align - 1)) & ~(align - 1)
 
@@ -578,8 +566,8 @@ def pack(
             k.scatter_bits(col.values, col.offset, col.from_bytes, pid, split.rank, at[b], counts, buf)
         elif role == "offsets":
             out_off = buf.view(np.int64 if col.width == 8 else np.int32)
-            k.scatter_var(col.offsets, col.values, _words(col.values), pid, split.rank, counts,
-                          at[b] // col.width, at[b + 1], out_off, buf, _words(buf))
+            k.scatter_var(col.offsets, col.values, pid, split.rank, counts,
+                          at[b] // col.width, at[b + 1], out_off, buf)
     for b, (j, role, sizes) in enumerate(plan):
         if role == "ipc":
             for p in range(ncompact):

@@ -11,8 +11,13 @@ module and name are cached once per machine. Imported by
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 from mpshuffle.table._kernels import (
     _ABS,
@@ -187,19 +192,45 @@ def var_sizes(offsets, pid, npart):  # type: ignore[no-untyped-def]
     return sizes
 
 
+@intrinsic
+def _load8(typingctx: Any, address: Any) -> Any:
+    """The ``uint64`` at ``address`` (``uint64``), read at any byte alignment."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.load(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), align=1)
+
+    return types.uint64(types.uint64), codegen
+
+
+@intrinsic
+def _store8(typingctx: Any, address: Any, value: Any) -> Any:
+    """Write the ``uint64`` ``value`` at ``address`` (``uint64``), at any byte alignment."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.store(args[1], builder.inttoptr(args[0], ir.IntType(64).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(types.uint64, types.uint64), codegen
+
+
 @numba.njit(nogil=True, cache=True)
-def scatter_var(offsets, data, words, pid, rank, counts, off_base, data_base, out_off, out, out_words):  # type: ignore[no-untyped-def]
+def scatter_var(offsets, data, pid, rank, counts, off_base, data_base, out_off, out):  # type: ignore[no-untyped-def]
     # Strings/binary: each piece gets offsets from 0 (in ``out_off``, whose
     # unit is its offset type, from off_base[p]) and its bytes (from byte
     # data_base[p]); rows come in order, so a cursor per piece places them.
-    # ``words``/``out_words``: the same bytes read/written 8 at a time at
-    # any byte position; a string is copied in whole words, which may
-    # write up to 7 bytes past its end: the next string of the piece
-    # overwrites them, and every piece's data has 8 bytes of slack.
+    # A string is copied in whole words (unaligned 8-byte loads and stores
+    # through its address), which may write up to 7 bytes past its end: the
+    # next string of the piece overwrites them, and every piece's data has 8
+    # bytes of slack. Strings ending in the input's last 7 bytes go byte by
+    # byte (a word there would read past it). Words through addresses, not
+    # through a strided uint64 view of the bytes: 1.4-1.8x faster for strings
+    # of 1-27 bytes (1.5 M rows, 16-60 partitions; session 18).
     npart = off_base.shape[0]
     cursor = np.zeros(npart, np.uint64)
-    nwords = np.uint64(words.shape[0])
     eight = np.uint64(8)
+    src0 = np.uint64(data.ctypes.data)
+    dst0 = np.uint64(out.ctypes.data)
+    nsafe = np.uint64(data.shape[0] - 7) if data.shape[0] >= 7 else np.uint64(0)
     for p in range(npart):
         if counts[p]:
             out_off[off_base[p]] = 0
@@ -211,9 +242,9 @@ def scatter_var(offsets, data, words, pid, rank, counts, off_base, data_base, ou
         dst = np.uint64(data_base[p]) + c
         k = np.uint64(0)
         n = end - start
-        if end <= nwords:
+        if end <= nsafe:
             while k < n:
-                out_words[dst + k] = words[start + k]
+                _store8(dst0 + dst + k, _load8(src0 + start + k))
                 k += eight
         else:
             while k < n:
