@@ -23,7 +23,10 @@ bytes are reserved as host memory in the worker's
 the pool does not *retain* (no run is active), is given back at once.
 
 Where its blocks come from is the pool's ``fresh`` function: aligned NumPy
-memory by default, its pages faulted in at once (:func:`prefaulted_empty`), page-locked memory for the device runs' pools
+memory by default, the bytes a request asks for faulted in at once
+(:func:`~mpshuffle.memory._pages.populate_write`: one ``madvise`` instead
+of a trap per 4 KiB page, since the scatter or a received chunk writes them
+right after; the size class's slack stays untouched), page-locked memory for the device runs' pools
 (:func:`mpshuffle.memory.device.pinned_empty`: a copy between the GPU and
 page-locked memory runs at ~55 GB/s against ~11 GB/s for pageable memory,
 but a fresh page-locked block costs about as much as the copy into fresh
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
 
     from mpshuffle.memory.resource import BufferResource, Reservation
 
-__all__ = ["ALIGNMENT", "HostPool", "aligned_empty", "prefaulted_empty"]
+__all__ = ["ALIGNMENT", "HostPool", "aligned_empty"]
 
 #: Every range starts at a multiple of this many bytes (Arrow's alignment).
 ALIGNMENT = 64
@@ -82,20 +85,6 @@ def aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     start = (-raw.ctypes.data) % ALIGNMENT
     return raw[start : start + nbytes]
-
-
-def prefaulted_empty(nbytes: int) -> npt.NDArray[np.uint8]:
-    """As :func:`aligned_empty`, its whole pages faulted in at once (:func:`~mpshuffle.memory._pages.populate_write`).
-
-    A pool's fresh block where no ``fresh`` function is given: its pages are
-    written right after (the scatter of an insert, a received chunk), so
-    faulting them in one call instead of one trap per 4 KiB page saves the
-    traps. Blocks under :data:`~mpshuffle.memory._pages.POPULATE_MIN_BYTES`,
-    and systems without ``MADV_POPULATE_WRITE``, fault on use as before.
-    """
-    block = aligned_empty(nbytes)
-    populate_write(block)
-    return block
 
 
 class HostPool:
@@ -143,7 +132,8 @@ class HostPool:
         self.fresh_bytes = 0
         self.retain = True
         self._resource = resource
-        self._fresh = fresh or prefaulted_empty
+        self._fresh = fresh or aligned_empty
+        self._populate = fresh is None
         self._free: dict[int, list[npt.NDArray[np.uint8]]] = {}
         self._idle = 0
         # Reentrant: a buffer collected by the garbage collector while this
@@ -186,6 +176,8 @@ class HostPool:
                     break
         if block is None:
             block = self._fresh(cls)
+            if self._populate:
+                populate_write(block[:nbytes])
             self.fresh_bytes += nbytes
         view = block[:nbytes]
         weakref.finalize(view, self._give, block)
