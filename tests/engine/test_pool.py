@@ -343,3 +343,21 @@ def test_small_page_blocks_are_faulted_in_at_once_and_output_picks_the_kind(monk
     assert "nh" in _vm_flags(_pages.output_empty(nbytes).ctypes.data)
     monkeypatch.setattr(_pages, "free_pages_reported", lambda: False)
     assert _pages.output_empty(nbytes).ctypes.data % _pages.HUGE_PAGE == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise advice is Linux's")
+def test_populate_write_on_a_kernel_without_the_advice_stops_trying_and_pools_still_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpshuffle.memory import _pages
+
+    monkeypatch.setattr(_pages, "_populate_write_works", True)
+    monkeypatch.setattr(_pages, "MADV_POPULATE_WRITE", -1)  # EINVAL, as from a kernel before 5.14
+    block = np.zeros(4 * MiB, np.uint8)
+    assert _pages.populate_write(block) is False
+    assert _pages._populate_write_works is False  # not tried again in this process
+    assert _pages.small_page_empty(3 * MiB).nbytes == 3 * MiB
+    pool = HostPool(64 * MiB)
+    buf = pool.allocate(2 * MiB)
+    np.frombuffer(buf, np.uint8)[:] = 1
+    assert int(np.frombuffer(buf, np.uint8).sum()) == 2 * MiB
