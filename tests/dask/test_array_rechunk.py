@@ -396,3 +396,33 @@ def test_lost_worker_mid_insert_computes_the_rechunk_again() -> None:
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         Event(go, client=client).set()
         np.testing.assert_array_equal(fut.result(timeout=60), values)
+
+
+def test_grouped_inserts_after_their_holder_is_lost() -> None:
+    """Insert tasks grouped by the worker that held their blocks at build time stay right once it is gone."""
+    import signal
+    import time
+
+    from distributed import wait
+
+    with LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
+    ) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=60)
+        bootstrap_dask_cluster(client, timeout=10)
+        values = np.arange(12 * 8 * 8, dtype="f8").reshape(12, 8, 8)
+        x = da.from_array(values, chunks=(1, 8, 8)).persist()
+        wait(x)
+        y = x.rechunk((12, 2, 4), method="mpshuffle")
+        inserts = [k for k in y.__dask_graph__() if isinstance(k, tuple) and "-insert-" in k[0]]
+        held = {w[0] for w in client.who_has(x).values()}
+        assert len(inserts) == len(held)  # one task per worker holding blocks
+        victim = min(held)
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while victim in client.scheduler_info()["workers"]:
+            assert time.monotonic() < deadline, "the scheduler did not see the worker go"
+            time.sleep(0.05)
+        # The lost blocks are computed again elsewhere and move to their insert task.
+        np.testing.assert_array_equal(y.compute(), values)
+
