@@ -293,9 +293,11 @@ def test_inserts_take_the_blocks_one_worker_holds(client: Client) -> None:
             y = x.rechunk(target)
         graph_ = dict(y.__dask_graph__())
         inserts = {k: v for k, v in graph_.items() if isinstance(k, tuple) and "-insert-" in k[0]}
-        assert len(inserts) == 2, sorted(inserts)
+        # 24 blocks of 480 bytes: one task per worker holding blocks (Dask chose where they went).
+        held = {ws[0] for ws in where.values()}
+        assert len(inserts) == len(held), sorted(inserts)
         holders = [{where[d][0] for d in task.dependencies} for task in inserts.values()]
-        assert all(len(h) == 1 for h in holders) and len(set().union(*holders)) == 2
+        assert all(len(h) == 1 for h in holders) and set().union(*holders) == held
         assert sum(len(task.dependencies) for task in inserts.values()) == 24
         want = x.rechunk(target, method="tasks")
         got = y.persist()
