@@ -2,8 +2,11 @@
 
 Not a test. Cluster ``before`` runs the code of ``--before-src`` (a
 worktree of the older commit's ``src``: its worker processes import
-mpshuffle from there; the graph is built here, by this checkout's
-:mod:`mpshuffle.dask.rechunk`, and for code older than session 16 with
+mpshuffle from there; its graph is built here by that ``src``'s
+``mpshuffle/dask/rechunk.py``, loaded as module ``mpshuffle_before_rechunk``,
+which the before workers alias to their own :mod:`mpshuffle.dask.rechunk`
+so its tasks' functions resolve there; since session 18 the graphs differ
+in functions the older code lacks), and for code older than session 16 with
 ``--before-unaligned``, which switches off
 :func:`mpshuffle.dask.rechunk.aligned_per_partition` as that code built
 it; session 16 always switched it off: right for the main of then, wrong
@@ -27,12 +30,14 @@ Run: ``python benchmarks/rechunk_code_ab.py time-to-space --before-src /tmp/main
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dask
@@ -56,6 +61,24 @@ def _cluster(tmp: str, prepend: str | None) -> tuple[LocalCluster, Client]:
     finally:
         sys.path[:] = saved
     return cluster, Client(cluster, set_as_default=False)
+
+
+def _before_module(src: str) -> Any:
+    """``src``'s ``mpshuffle/dask/rechunk.py`` as module ``mpshuffle_before_rechunk`` (graph building only)."""
+    spec = importlib.util.spec_from_file_location(
+        "mpshuffle_before_rechunk", os.path.join(src, "mpshuffle", "dask", "rechunk.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pickled by reference under this name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _alias_before() -> None:
+    import mpshuffle.dask.rechunk
+
+    sys.modules["mpshuffle_before_rechunk"] = mpshuffle.dask.rechunk
 
 
 def _send_slack(value: float) -> None:
@@ -99,7 +122,11 @@ def main() -> None:
             clusters["dask"] = _cluster(tmp, None)
         try:
             inputs, pids = {}, {}
+            clusters["before"][1].run(_alias_before)
+            before_rc = _before_module(a.before_src)
+            built_by = rc.rechunk
             for name, (_, client) in clusters.items():
+                rc.rechunk = before_rc.rechunk if name == "before" else built_by
                 where = client.run(lambda: __import__("mpshuffle").__file__)
                 print(name, "imports", sorted(set(where.values())), flush=True)
                 with client.as_current():
@@ -116,8 +143,9 @@ def main() -> None:
                         x, target = source((a.t, side, side), (a.t, small, small)).persist(), (1, side, side)
                     wait(x)
                     inputs[name] = x
+            rc.rechunk = built_by
             sampler = MemorySampler()
-            aligned = rc.aligned_per_partition
+            aligned = before_rc.aligned_per_partition
             for r in range(-a.warm, a.repeat):  # rounds < 0: untimed, not recorded
                 for v in variants[r % len(variants):] + variants[: r % len(variants)]:
                     name = "before" if v == "before" else "dask" if v in ("p2p", "tasks") else "after"
@@ -126,15 +154,18 @@ def main() -> None:
                         clusters["after"][1].run(_release, v != "after-norelease")
                     method = v if v in ("p2p", "tasks") else "mpshuffle"
                     client = clusters[name][1]
+                    if v == "before":
+                        rc.rechunk = before_rc.rechunk  # what Dask's rechunk, wrapped, calls
                     if v == "before" and a.before_unaligned:
-                        rc.aligned_per_partition = lambda target, nout: target
+                        before_rc.aligned_per_partition = lambda target, nout: target
                     elif name == "after":
                         clusters["after"][1].run(_send_slack, slack)
                     try:
                         with client.as_current():
                             row = _one(client, a.case, method, inputs[name], target, pids[name], sampler, f"{v}-{r}")
                     finally:
-                        rc.aligned_per_partition = aligned
+                        rc.rechunk = built_by
+                        before_rc.aligned_per_partition = aligned
                     row.update(variant=v, round=r, load=os.getloadavg()[0])
                     if r >= 0:
                         rows.append(row)

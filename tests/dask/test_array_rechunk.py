@@ -269,6 +269,55 @@ def test_distributed_client_and_recompute(client: Client) -> None:
     assert all(s["shufflers"] == [] and s["spill"] == [] for s in state.values()), state
 
 
+def test_insert_groups_are_per_worker_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rechunk_module, "INSERT_GROUP_BYTES", 30)
+    where = [0, 1, 0, None, 1, 0, 0, 1, None]
+    groups = rechunk_module._insert_groups(where, [10] * len(where))
+    assert groups == [[0, 2, 5], [1, 4, 7], [3], [6], [8]]
+    # A block past the bytes on its own still makes a task; bytes are per worker.
+    assert rechunk_module._insert_groups([0, 0, 1, 0], [40, 5, 40, 5]) == [[0], [1, 3], [2]]
+    assert rechunk_module._insert_groups([], []) == []
+
+
+def test_inserts_take_the_blocks_one_worker_holds(client: Client) -> None:
+    """A persisted input is inserted by a task per worker (each over blocks of that worker only), exact values."""
+    from distributed import wait
+
+    bootstrap_dask_cluster(client)
+    values = np.arange(24 * 12 * 10, dtype="f4").reshape(24, 12, 10)
+    x = da.from_array(values, chunks=(1, 12, 10)).persist()
+    wait(x)
+    where = client.who_has(x)
+    for target, back in (((24, 3, 5), (1, 12, 10)), ((24, 12, 2), (3, 12, 10))):
+        with dask.config.set(MP):
+            y = x.rechunk(target)
+        graph_ = dict(y.__dask_graph__())
+        inserts = {k: v for k, v in graph_.items() if isinstance(k, tuple) and "-insert-" in k[0]}
+        # 24 blocks of 480 bytes: one task per worker holding blocks (Dask chose where they went).
+        held = {ws[0] for ws in where.values()}
+        assert len(inserts) == len(held), sorted(inserts)
+        holders = [{where[d][0] for d in task.dependencies} for task in inserts.values()]
+        assert all(len(h) == 1 for h in holders) and set().union(*holders) == held
+        assert sum(len(task.dependencies) for task in inserts.values()) == 24
+        want = x.rechunk(target, method="tasks")
+        got = y.persist()
+        assert got.chunks == want.chunks
+        np.testing.assert_array_equal(got.compute(), values)
+        # And back, from an output held on both workers.
+        wait(got)
+        z = got.rechunk(back, method="mpshuffle")
+        assert z.chunks == x.rechunk(back, method="tasks").chunks
+        np.testing.assert_array_equal(z.compute(), values)
+        del got
+    # Blocks not in memory get a task each (Dask places them where it computes them).
+    lazy = da.from_array(values, chunks=(1, 12, 10), name="not-held").rechunk((24, 3, 5), method="mpshuffle")
+    inserts = [k for k in lazy.__dask_graph__() if isinstance(k, tuple) and "-insert-" in k[0]]
+    assert len(inserts) == 24
+    np.testing.assert_array_equal(lazy.compute(), values)
+    state = client.run(worker_state)
+    assert all(s["shufflers"] == [] and s["spill"] == [] for s in state.values()), state
+
+
 def test_small_host_budget_makes_small_partitions(client: Client) -> None:
     """With an 8 MiB budget an 8 MiB rechunk has 1 MiB partitions (8 extracts, not 4), and exact values."""
     bootstrap_dask_cluster(client)
@@ -349,3 +398,33 @@ def test_lost_worker_mid_insert_computes_the_rechunk_again() -> None:
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         Event(go, client=client).set()
         np.testing.assert_array_equal(fut.result(timeout=60), values)
+
+
+def test_grouped_inserts_after_their_holder_is_lost() -> None:
+    """Insert tasks grouped by the worker that held their blocks at build time stay right once it is gone."""
+    import signal
+    import time
+
+    from distributed import wait
+
+    with LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
+    ) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=60)
+        bootstrap_dask_cluster(client, timeout=10)
+        values = np.arange(12 * 8 * 8, dtype="f8").reshape(12, 8, 8)
+        x = da.from_array(values, chunks=(1, 8, 8)).persist()
+        wait(x)
+        y = x.rechunk((12, 2, 4), method="mpshuffle")
+        inserts = [k for k in y.__dask_graph__() if isinstance(k, tuple) and "-insert-" in k[0]]
+        held = {w[0] for w in client.who_has(x).values()}
+        assert len(inserts) == len(held)  # one task per worker holding blocks
+        victim = min(held)
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while victim in client.scheduler_info()["workers"]:
+            assert time.monotonic() < deadline, "the scheduler did not see the worker go"
+            time.sleep(0.05)
+        # The lost blocks are computed again elsewhere and move to their insert task.
+        np.testing.assert_array_equal(y.compute(), values)
+

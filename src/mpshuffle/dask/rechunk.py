@@ -33,8 +33,10 @@ in exactly one). A group with one input block or one output block needs no
 exchange: each output block is one task, a slice of its input block or an
 assembly of its input blocks' slices. A group with several of both is one
 mpshuffle run (:func:`mpshuffle.dask.graph.insert` / ``barrier`` /
-``extract`` with a :class:`~mpshuffle.table.ndarray.NDArrayAdapter`): each
-input block's insert task cuts it into one cut per output block it
+``extract`` with a :class:`~mpshuffle.table.ndarray.NDArrayAdapter`): an
+insert task takes the input blocks one worker holds (up to
+:data:`INSERT_GROUP_BYTES`) where the blocks are in memory when the graph is
+built, else one block; each input block's insert cuts it into one cut per output block it
 overlaps and sends, per output *partition* (:func:`partition_bytes` of
 consecutive output blocks: 64 MiB, less on workers with a small host
 budget; the count of blocks moved to one that tiles the grid of output
@@ -74,13 +76,13 @@ from dask._task_spec import Alias, Task, TaskRef
 from dask.base import tokenize
 
 from mpshuffle.dask.dataframe import graph_options
-from mpshuffle.dask.graph import ShuffleSpec, barrier, check_npartitions, extract, insert
+from mpshuffle.dask.graph import Inserted, ShuffleSpec, barrier, check_npartitions, extract, insert
 from mpshuffle.dask.method import METHOD, check_dask_version
 from mpshuffle.options import Options
 from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter
 
 __all__ = [
-    "PARTITION_BUDGET_FRACTION", "PARTITION_BYTES", "aligned_per_partition", "install", "installed", "partition_bytes",
+    "INSERT_GROUP_BYTES", "PARTITION_BUDGET_FRACTION", "PARTITION_BYTES", "aligned_per_partition", "install", "installed", "partition_bytes",
     "rechunk", "uninstall",
 ]
 
@@ -233,17 +235,28 @@ def _build(x: Any, chunks: tuple[tuple[float, ...], ...], options: Options) -> A
     from dask.array.rechunk import old_to_new
     from dask.highlevelgraph import HighLevelGraph
 
-    token = tokenize(x.name, chunks, METHOD, options.as_dict())
+    per_axis = [_axis_groups(recipes) for recipes in old_to_new(x.chunks, chunks)]
+    groups = list(itertools.product(*per_axis))
+    runs = [
+        g for g in groups
+        if math.prod(len(a.olds) for a in g) > 1 and math.prod(len(a.news) for a in g) > 1
+    ]
+    cluster: tuple[int, int] = (1, PARTITION_BYTES)
+    holders: dict[Any, int] = {}
+    if runs:
+        cluster, holders = _cluster(options, [
+            (x.name, *(a.olds[i] for a, i in zip(g, local, strict=True)))
+            for g in runs for local in np.ndindex(*(len(a.olds) for a in g))
+        ])
+    # Where the input blocks lie shapes the insert tasks (_insert_groups), so it names the graph too.
+    token = tokenize(x.name, chunks, METHOD, options.as_dict(), sorted(holders.items()))
     name = f"{METHOD}-rechunk-{token}"
     layer: dict[Any, Any] = {}
-    per_axis = [_axis_groups(recipes) for recipes in old_to_new(x.chunks, chunks)]
-    cluster: tuple[int, int] | None = None  # asked for once, at the first group that needs a run
-    for gix, group in enumerate(itertools.product(*per_axis)):
+    for gix, group in enumerate(groups):
         nold = math.prod(len(g.olds) for g in group)
         nnew = math.prod(len(g.news) for g in group)
         if nold > 1 and nnew > 1:
-            cluster = cluster or _cluster(options)
-            _exchange(layer, x, name, token, gix, group, options, *cluster)
+            _exchange(layer, x, name, token, gix, group, options, *cluster, holders=holders)
         else:
             _local(layer, x, name, group)
     graph = HighLevelGraph.from_collections(name, layer, dependencies=[x])
@@ -278,8 +291,14 @@ def _local(layer: dict[Any, Any], x: Any, name: str, group: tuple[_AxisGroup, ..
 def _exchange(
     layer: dict[Any, Any], x: Any, name: str, token: str, gix: int, group: tuple[_AxisGroup, ...],
     options: Options, workers: int, nbytes_per_partition: int = PARTITION_BYTES,
+    holders: dict[Any, int] | None = None,
 ) -> None:
-    """The tasks of one mpshuffle run: an insert per input block, a barrier, an extract per output partition.
+    """The tasks of one mpshuffle run: inserts of input blocks, a barrier, an extract per output partition.
+
+    ``holders`` maps an input block's key to the worker holding it when the
+    graph is built (an index; blocks not in memory are missing): the blocks
+    held by one worker are inserted by a few tasks (:func:`_insert_groups`),
+    every other block by a task of its own.
 
     Output partition ``p`` is ``nbytes_per_partition`` (:func:`partition_bytes`)
     of consecutive output blocks (C order; one block at least, and at least
@@ -308,14 +327,20 @@ def _exchange(
         extract_name=f"{METHOD}-rechunk-extract-{gtoken}",
         options=options,
     )
-    refs = []
-    for index, local in enumerate(np.ndindex(*(len(g.olds) for g in group))):
-        old = tuple(g.olds[i] for g, i in zip(group, local, strict=True))
-        key = (spec.insert_name, *old)
-        adapter = NDArrayAdapter(x.dtype, plan, local, views=True)
-        layer[key] = _Pinned(key, insert, TaskRef((x.name, *old)), index, spec, adapter)
+    locals_ = list(np.ndindex(*(len(g.olds) for g in group)))
+    olds = [tuple(g.olds[i] for g, i in zip(group, local, strict=True)) for local in locals_]
+    where = [(holders or {}).get((x.name, *old)) for old in olds]
+    refs, index = [], 0  # input indices run through the tasks in order: the barrier's order
+    for members in _insert_groups(where, [x.dtype.itemsize * n for n in _block_elements(x, olds)]):
+        # Keyed by the first block's index: unique among all the runs of this rechunk.
+        key = (spec.insert_name, *olds[members[0]])
+        blocks = [TaskRef((x.name, *olds[m])) for m in members]
+        layer[key] = _Pinned(
+            key, _insert_blocks, spec, plan, tuple(locals_[m] for m in members), index, *blocks
+        )
         refs.append(TaskRef(key))
-    layer[spec.barrier_name] = _Pinned(spec.barrier_name, barrier, spec, *refs)
+        index += len(members)
+    layer[spec.barrier_name] = _Pinned(spec.barrier_name, _barrier, spec, *refs)
     for pid in range(plan.npartitions):
         key = (spec.extract_name, pid)
         out = NDArrayAdapter(x.dtype, plan, partition=pid)
@@ -323,6 +348,69 @@ def _exchange(
     for b, local in enumerate(np.ndindex(*nout)):
         key = (name, *(g.news.start + i for g, i in zip(group, local, strict=True)))
         layer[key] = Task(key, _pick, TaskRef((spec.extract_name, b // per_partition)), b)
+
+
+#: Most bytes of input blocks one insert task takes (:func:`_insert_groups`):
+#: Dask's default ``array.chunk-size``, as P2P's rechunk merges its inputs up to it.
+INSERT_GROUP_BYTES = 128 * 2**20
+
+
+def _block_elements(x: Any, olds: Sequence[tuple[int, ...]]) -> list[int]:
+    """Elements of each input block (0 where a size is unknown)."""
+    out = []
+    for old in olds:
+        sizes = [x.chunks[a][o] for a, o in enumerate(old)]
+        out.append(0 if any(math.isnan(c) for c in sizes) else math.prod(int(c) for c in sizes))
+    return out
+
+
+def _insert_groups(where: Sequence[int | None], nbytes: Sequence[int]) -> list[list[int]]:
+    """The input blocks (positions) each insert task takes, in order.
+
+    Blocks in memory on one worker when the graph is built (``where`` its
+    index) go into tasks of consecutive such blocks of at most
+    :data:`INSERT_GROUP_BYTES` (one block at least); each other block
+    (``None``: not in memory) gets a task of its own. Why by worker: Dask
+    runs a task where its inputs are and moves the others to it, so a task
+    over blocks of two workers would move half of them once more before the
+    run moves them (P2P's merged transfer tasks do that). Why: an insert task
+    costs Dask's scheduling and mpshuffle's binding (~1 ms, the sum of ~0.4
+    CPU-s per worker at 400 blocks), a few of them per worker much less.
+
+    The tasks are ordered by their first block, so the input indices the
+    blocks get (their place in the returned order) run through them.
+    """
+    open_: dict[int, list[int]] = {}
+    size: dict[int, int] = {}
+    out: list[list[int]] = []
+    for pos, (w, n) in enumerate(zip(where, nbytes, strict=True)):
+        if w is None:
+            out.append([pos])
+            continue
+        group = open_.get(w)
+        if group is None or size[w] + n > INSERT_GROUP_BYTES:
+            group = open_[w] = []
+            size[w] = 0
+            out.append(group)
+        group.append(pos)
+        size[w] += n
+    return out
+
+
+def _insert_blocks(
+    spec: ShuffleSpec, plan: BlockPlan, locals_: tuple[tuple[int, ...], ...], first: int, *blocks: Any
+) -> tuple[Inserted, ...]:
+    """Task: insert input blocks ``blocks`` (at ``locals_`` in the group) as input indices ``first``, ``first + 1``, ..."""
+    dtype = spec.meta.dtype
+    return tuple(
+        insert(block, first + i, spec, NDArrayAdapter(dtype, plan, local, views=True))
+        for i, (local, block) in enumerate(zip(locals_, blocks, strict=True))
+    )
+
+
+def _barrier(spec: ShuffleSpec, *inserted: tuple[Inserted, ...]) -> Any:
+    """Task: :func:`mpshuffle.dask.graph.barrier` over the blocks of all insert tasks, in input index order."""
+    return barrier(spec, *itertools.chain.from_iterable(inserted))
 
 
 def aligned_per_partition(target: int, nout: Sequence[int]) -> int:
@@ -369,24 +457,39 @@ def _chunks_of(x: Any, group: tuple[_AxisGroup, ...]) -> list[list[float]]:
     return [[x.chunks[a][o] for o in g.olds] for a, g in enumerate(group)]
 
 
-def _cluster(options: Options) -> tuple[int, int]:
-    """Workers of the default distributed client (1 without one) and the bytes of an output partition there."""
+def _cluster(options: Options, keys: Sequence[Any] = ()) -> tuple[tuple[int, int], dict[Any, int]]:
+    """The default distributed client's workers and output partition bytes, and where ``keys`` are.
+
+    Returns ``((workers, bytes), holders)``: the number of workers (1
+    without a client), the bytes of an output partition there
+    (:func:`partition_bytes`), and for each of ``keys`` in memory on a worker
+    an index of the worker holding it (the first by address, numbered by
+    address among the holders);
+    ``holders`` is empty without a client, from an asynchronous one (no
+    blocking call from an event loop), or if the scheduler did not answer.
+    """
     try:
         from distributed import default_client
 
         client = default_client()
     except (ImportError, ValueError):
-        return 1, PARTITION_BYTES
+        return (1, PARTITION_BYTES), {}
     info = None
+    holders: dict[Any, int] = {}
     if not client.asynchronous and client.status == "running":
         try:
             info = client.scheduler_info(n_workers=-1)["workers"]
+            if keys:
+                who = client.sync(client.scheduler.who_has, keys=list(keys))
+                first = {k: min(ws) for k, ws in who.items() if ws}
+                names = {a: i for i, a in enumerate(sorted(set(first.values())))}
+                holders = {k: names[first[k]] for k in keys if k in first}
         except (OSError, TimeoutError):
             pass  # the connection went under the call: size from what the client last saw
     if info is None:
         # No blocking call from an event loop: the identity the client last saw.
         info = getattr(client, "_scheduler_identity", {}).get("workers", {})
-    return max(1, len(info)), partition_bytes(options, info.values())
+    return (max(1, len(info)), partition_bytes(options, info.values())), holders
 
 
 def partition_bytes(options: Options, workers: Any) -> int:
