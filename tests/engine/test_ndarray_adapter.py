@@ -488,3 +488,20 @@ def test_received_pieces_give_their_pages_back_as_they_are_placed(monkeypatch: p
         j1, j2 = divmod(b, side // cut)
         np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
     del table, got
+
+
+def test_rechunk_outputs_of_one_shape_share_an_output_block_and_object_blocks_stay_numpy() -> None:
+    import numpy as np
+
+    from mpshuffle.table.ndarray import _output_array
+
+    out = _output_array((3, 500, 700), np.dtype("f4"))
+    assert out.shape == (3, 500, 700) and out.dtype == np.float32 and out.flags.writeable
+    assert out.flags.c_contiguous and out.ctypes.data % 64 == 0
+    out[:] = 1.5
+    assert float(out.sum()) == 1.5 * out.size
+    rec = _output_array((4,), np.dtype([("a", "<i4"), ("b", "<f8")]))
+    assert rec.dtype.names == ("a", "b") and rec.shape == (4,)
+    objs = _output_array((2, 2), np.dtype(object))
+    assert objs.dtype == object and all(v is None for v in objs.ravel())  # numpy's, not raw memory
+    assert _output_array((0, 5), np.dtype("i8")).shape == (0, 5)

@@ -81,6 +81,7 @@ import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
+from mpshuffle.memory._pages import output_empty
 from mpshuffle.memory.packed import PackedData, PieceTable
 from mpshuffle.table.base import FrameAdapter
 from mpshuffle.table.hashing import partition_owner
@@ -207,6 +208,19 @@ class BlockPlan:
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _output_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """An uninitialised array for output blocks that are written once and kept (an extract's).
+
+    Its memory from :func:`~mpshuffle.memory._pages.output_empty` (the kind
+    of page that is cheaper on this machine) where the dtype holds no Python
+    objects; ``numpy.empty`` otherwise (object arrays start as ``None``).
+    """
+    if dtype.hasobject:
+        return np.empty(shape, dtype=dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    return output_empty(count * dtype.itemsize).view(dtype).reshape(shape)
 
 
 def _empty_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
@@ -421,7 +435,7 @@ class NDArrayAdapter(FrameAdapter):
         # regular grid) is placed by one assignment, not one per cut. The
         # blocks handed out are views of it.
         same = bool((extents == extents[0]).all())
-        stacked = np.empty((len(blocks), *extents[0].tolist()), dtype=self.dtype) if same else None
+        stacked = _output_array((len(blocks), *extents[0].tolist()), self.dtype) if same else None
         if stacked is not None:
             out = {int(b): stacked[k] for k, b in enumerate(blocks.tolist())}
         else:
