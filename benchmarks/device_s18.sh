@@ -8,6 +8,9 @@
 #   ab16      16 workers, 120 -> 120, 0.7 GB per worker: the config line before and after in turns, twice
 #   ratio16   16 workers, after only: the four methods in turns, 2 rounds
 #   tpch2     TPC-H lineitem SF 1 (16 parts) through the config line, 2 workers, after only, with P2P and tasks
+#   tpch2first  the same with a fresh cluster's first and second shuffle per method first (--first)
+#   tpch16    lineitem SF 1 at 16 workers, the four methods in turns, 2 rounds
+#   parts16   10,000 -> 10,000 partitions of 2,000 rows at 16 workers: mpshuffle and Dask's floor
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,5 +40,11 @@ for step in "$@"; do
              --repeats 2 ;;
     tpch2) bench after config_line-lineitem-h100-2w-s18 --data lineitem --sf 1 --parts 16 --workers 2 \
              --memory-limit 8 --repeats 2 ;;
+    tpch2first) bench after config_line-lineitem-h100-2w-s18-first --data lineitem --sf 1 --parts 16 --workers 2 \
+             --memory-limit 8 --repeats 1 --first ;;
+    tpch16) bench after config_line-lineitem-h100-16w-s18 --data lineitem --sf 1 --parts 16 --workers 16 \
+             --memory-limit 6 --repeats 2 ;;
+    parts16) PYTHONPATH=$(src after) timeout 500 python3 benchmarks/partitions_bench.py --workers 16 --rows 2000 \
+             --sizes 10000 --methods mpshuffle floor-fused --out "$OUT/partitions-h100-16w-s18.json" 2>&1 | quiet | tail -12 ;;
   esac
 done
