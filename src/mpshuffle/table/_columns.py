@@ -840,7 +840,8 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     (table, names, schemas) or None
         The table (the first piece's schema, metadata included), the
         original column names as :func:`read_piece` gives them and the
-        distinct schemas of the pieces (to check against a meta); ``None``
+        distinct schemas of the pieces (to check against a meta; the first
+        is the schema object the table was made with); ``None``
         when the pieces do not qualify (the caller reads them one by one).
     """
     if not pieces:
