@@ -589,12 +589,15 @@ class PandasAdapter(FrameAdapter):
         names = self._names(frame)
         if len(frame) == 0:
             return {}
-        dtypes = tuple(frame.dtypes)
+        # The columns once, their dtypes from them: ``frame.dtypes`` builds a
+        # Series of its own (~50 us on each new input frame).
+        items = list(frame.items())
+        dtypes = tuple(series.dtype for _, series in items)
         pickled = _pickled_positions(frame, dtypes)
         kept = frame.iloc[:, [i for i in range(frame.shape[1]) if i not in pickled]] if pickled else frame
         try:
             schema = _schema_of(kept, self.index, tuple(kept.dtypes) if pickled else dtypes)
-            columns = pandas_columns(kept, self.index, schema)
+            columns = pandas_columns(kept, self.index, schema, None if pickled else items)
         except _ARROW_CONVERSION_ERRORS:
             return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         if self.index and not _objects_round_trip_index(frame, columns[kept.shape[1]:]):
