@@ -588,7 +588,9 @@ class Postbox:
         table = PieceTable._unchecked(
             np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows.astype(np.int64),
             meta_of.astype(np.int32), meta_list, buffer_of, offset, pieces.size.astype(np.int64), buffers,
-            mapped + [None] * (len(buffers) - len(mapped)) if any(m is not None for m in mapped) else None,
+            # count(None) in C: a generator over the ~450 frames of a 2000 -> 2000
+            # output partition cost ~0.1 ms a pop where none is mapped.
+            mapped + [None] * (len(buffers) - len(mapped)) if mapped.count(None) < len(mapped) else None,
         )
         with self._lock:
             self._done(pieces.chunk)
