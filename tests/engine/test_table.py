@@ -1004,3 +1004,33 @@ def test_unpack_of_gathered_pieces_keeps_the_index_dtypes_and_order() -> None:
         pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True)
         total += len(got)
     assert total == 240
+
+
+def test_reconcile_with_known_dtypes_casts_as_without() -> None:
+    frame = pd.DataFrame({"a": np.arange(4, dtype=np.int32), "b": np.arange(4.0)})
+    meta = pd.DataFrame({"a": pd.Series([], dtype=np.int64), "b": pd.Series([], dtype=np.float64)})
+    got = reconcile(frame, meta, dtypes=[np.dtype(np.int32), np.dtype(np.float64)])
+    assert list(got.dtypes) == [np.dtype(np.int64), np.dtype(np.float64)]
+    pd.testing.assert_frame_equal(got, reconcile(frame, meta))
+    # Columns in another order than the meta's: the given dtypes are not used (they follow the frame's order).
+    reordered = frame[["b", "a"]]
+    got = reconcile(reordered, meta, dtypes=[np.dtype(np.float64), np.dtype(np.int32)])
+    assert list(got.columns) == ["a", "b"] and list(got.dtypes) == [np.dtype(np.int64), np.dtype(np.float64)]
+    np.testing.assert_array_equal(got["a"].to_numpy(), np.arange(4))
+
+
+def test_unpack_casts_the_direct_frame_toward_the_meta() -> None:
+    adapter = PandasAdapter()
+    rng = np.random.default_rng(5)
+    parts = [pd.DataFrame({"key": rng.integers(0, 30, 25).astype(np.int32), "v": rng.random(25)}) for _ in range(4)]
+    meta = pd.DataFrame({"key": pd.Series([], dtype=np.int64), "v": pd.Series([], dtype=np.float64)})
+    pieces: dict[int, list[Any]] = {}
+    for part in parts:
+        for pid, piece in adapter.split(part, ["key"], 5).items():
+            pieces.setdefault(pid, []).append(piece)
+    for pid, got_pieces in pieces.items():
+        got = adapter.unpack(got_pieces, meta)
+        expected = pd.concat(
+            [p[partition_ids(p[["key"]], 5) == pid] for p in parts], ignore_index=True
+        ).astype({"key": np.int64})
+        pd.testing.assert_frame_equal(got, expected, check_exact=True)

@@ -671,7 +671,8 @@ class PandasAdapter(FrameAdapter):
         if not pieces:
             return self.empty_like(meta)
         if all(is_cols(m) for m in distinct_metadata(pieces)):
-            return reconcile(self._unpack_cols(pieces, meta), meta, on_lossy_cast)
+            frame, dtypes = self._unpack_cols(pieces, meta)
+            return reconcile(frame, meta, on_lossy_cast, dtypes=dtypes)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
             tables = [read_ipc(p.data) for p in pieces]
@@ -689,7 +690,10 @@ class PandasAdapter(FrameAdapter):
             frame = self._concat_frames(pieces, meta)
         return reconcile(frame, meta, on_lossy_cast)
 
-    def _unpack_cols(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
+    def _unpack_cols(
+        self, pieces: Sequence[PackedData], meta: pd.DataFrame
+    ) -> tuple[pd.DataFrame, Sequence[Any] | None]:
+        """The pieces as one frame, and its columns' dtypes where they are known without asking it (else ``None``)."""
         gathered = gather(pieces)
         if gathered is not None:
             # One table for all pieces; their schemas have the same field
@@ -698,7 +702,14 @@ class PandasAdapter(FrameAdapter):
             header = Header(ARROW, tuple(names) if names is not None else None)
             for schema in schemas:
                 check_columns(self._restored(_data_fields(schema), header), meta)
-            return self._to_pandas(table, header, owned=True, schema=schemas[0])
+            direct = _direct_frame(table, schemas[0])
+            if direct is not None:
+                # What _to_pandas gives (no nulls: nothing for _nullable_ints), with its dtypes.
+                if header.names is not None:
+                    direct.columns = self._restored([str(c) for c in direct.columns], header)
+                plan = _frame_plan(schemas[0])
+                return direct, plan.dtypes if plan is not None else None
+            return self._to_pandas(table, header, owned=True, schema=schemas[0]), None
         parts = [read_piece(p) for p in pieces]
         header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
         checked = set()
@@ -716,14 +727,14 @@ class PandasAdapter(FrameAdapter):
         if len({tuple(sorted(p)) for _, p, _ in parts}) > 1:
             # A column pickled in some input partitions and not in others:
             # let pandas concatenate (to object); reconcile checks the meta.
-            return self._concat_frames(pieces, meta)
+            return self._concat_frames(pieces, meta), None
         try:
             frame = self._to_pandas(
                 pa.concat_tables([t for t, _, _ in parts], promote_options="default"), header
             )
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            return self._concat_frames(pieces, meta)
-        return _insert_pickled(frame, [p for _, p, _ in parts])
+            return self._concat_frames(pieces, meta), None
+        return _insert_pickled(frame, [p for _, p, _ in parts]), None
 
     def _concat_frames(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
         frames = []
