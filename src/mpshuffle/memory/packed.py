@@ -437,9 +437,14 @@ class PackedPieces(Mapping[int, PackedData]):
 
 def _width(span: int) -> int:
     """Bytes of the narrowest unsigned integer holding ``0 .. span`` (0 for a span of 0)."""
-    if span == 0:
-        return 0
-    return next(w for w in (1, 2, 4, 8) if span < 1 << (8 * w))
+    return _WIDTH_OF_BYTES[(span.bit_length() + 7) >> 3]
+
+
+# Width in bytes (0, 1, 2, 4, 8) of an unsigned integer of at least k bytes, by k = 0 .. 8.
+_WIDTH_OF_BYTES = (0, 1, 2, 4, 4, 8, 8, 8, 8)
+# The ufuncs' own reductions: ndarray.min/max and np.diff pass through Python
+# wrappers, a few microseconds each, and compact_ints runs six times a chunk.
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 def narrowest(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -491,17 +496,18 @@ def compact_ints(values: npt.ArrayLike, delta: bool = True) -> bytes:
     v = np.asarray(values)
     if v.dtype != np.int64:
         v = v.astype(np.int64)
-    v = v.ravel()
+    if v.ndim != 1:
+        v = v.ravel()
     n = len(v)
     if n == 0:
         return _COMPACT.pack(0, 0, 0)
-    lo, hi = int(v.min()), int(v.max())
+    lo, hi = int(_MIN(v)), int(_MAX(v))
     if lo == hi:
         return _COMPACT.pack(0, n, lo)
     stored, flag, head = v, 0, b""
     if delta and n > 2:
-        diffs = np.diff(v)  # modulo 2**64 (array arithmetic wraps silently): their sum is exact as well
-        dlo, dhi = int(diffs.min()), int(diffs.max())
+        diffs = v[1:] - v[:-1]  # modulo 2**64 (array arithmetic wraps silently): their sum is exact as well
+        dlo, dhi = int(_MIN(diffs)), int(_MAX(diffs))
         if _width(dhi - dlo) < _width(hi - lo):
             stored, flag, head, lo, hi = diffs, _DELTA, _FIRST.pack(int(v[0])), dlo, dhi
     width = _width(hi - lo)
