@@ -1034,3 +1034,24 @@ def test_unpack_casts_the_direct_frame_toward_the_meta() -> None:
             [p[partition_ids(p[["key"]], 5) == pid] for p in parts], ignore_index=True
         ).astype({"key": np.int64})
         pd.testing.assert_frame_equal(got, expected, check_exact=True)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        pd.Index(np.arange(30, dtype=np.uint8) * 3, name="u8"),
+        pd.Index(np.linspace(0, 1, 30), name="f"),
+        pd.Index(np.arange(30) % 2 == 0, name="flag", dtype=bool),
+        pd.Index([f"r{i}" for i in range(30)], name="s"),
+        pd.MultiIndex.from_arrays([np.arange(30, dtype=np.int32), [f"m{i % 4}" for i in range(30)]], names=["a", "b"]),
+    ],
+    ids=["uint8", "float64", "bool", "str", "int32-and-str-levels"],
+)
+def test_kept_index_levels_of_every_kind_come_back(index: pd.Index) -> None:
+    adapter = PandasAdapter(index=True)
+    frame = pd.DataFrame({"key": np.arange(30) % 7, "v": np.arange(30.0)}, index=index)
+    pieces = adapter.split(frame, ["key"], 4)
+    got = pd.concat([adapter.unpack([pieces[pid]], frame.iloc[:0]) for pid in sorted(pieces)])
+    ids = partition_ids(frame[["key"]], 4)
+    expected = pd.concat([frame[ids == pid] for pid in sorted(pieces)])
+    pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True)

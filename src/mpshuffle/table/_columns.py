@@ -207,15 +207,32 @@ def pandas_columns(
             series = by_name[field.name]
         else:
             level = index_fields.index(field.name)
-            series = pd.Series(frame.index.get_level_values(level))
+            values = frame.index.get_level_values(level)
+            dtype = values.dtype
+            # A numeric level is read as its numpy values (dtype, to_numpy), as
+            # from a Series of it; building that Series cost ~30 us an insert.
+            numeric = isinstance(dtype, np.dtype) and dtype.kind in "iufb"
+            series = values if numeric else pd.Series(values)
         col = _pandas_column(series, field.type, k)
         out.append(col)
     return out
 
 
+# The index fields of a schema by its id (the schema object kept with them, so
+# the id is not reused): ``Schema.pandas_metadata`` parses the JSON at every access.
+_INDEX_FIELDS: dict[int, tuple[pa.Schema, list[str]]] = {}
+
+
 def _index_fields(schema: pa.Schema) -> list[str]:
+    hit = _INDEX_FIELDS.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
     meta = schema.pandas_metadata or {}
-    return [c for c in meta.get("index_columns", []) if isinstance(c, str)]
+    fields = [c for c in meta.get("index_columns", []) if isinstance(c, str)]
+    if len(_INDEX_FIELDS) >= 256:
+        _INDEX_FIELDS.clear()
+    _INDEX_FIELDS[id(schema)] = (schema, fields)
+    return fields
 
 
 def _pandas_column(series: pd.Series, t: pa.DataType, field: int) -> Column:
