@@ -38,7 +38,7 @@ import pandas as pd
 
 import mpshuffle
 import mpshuffle.dask
-import mpshuffle.dask.graph as graph
+from mpshuffle.dask import graph
 from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.table.pandas import PandasAdapter
 
