@@ -219,3 +219,18 @@ def test_merge_of_tasks_shuffled_and_mpshuffle_shuffled_frames() -> None:
     pd.testing.assert_frame_equal(
         got.sort_values("a").reset_index(drop=True), exp.sort_values("a").reset_index(drop=True)
     )
+
+
+def test_plain_keys_are_the_frames_own_columns_and_repeated_labels_go_through_dask() -> None:
+    from mpshuffle.dask.partitioning import _key_columns
+
+    frame = pd.DataFrame({"a": np.arange(5), "b": np.arange(5.0)})
+    got = _key_columns(frame, ["b", "a"], False)
+    assert [s.name for s in got] == ["b", "a"]
+    np.testing.assert_array_equal(got[0].to_numpy(), np.arange(5.0))
+    assert np.shares_memory(got[1].to_numpy(), frame["a"].to_numpy())  # the column itself, not a copy
+    repeated = pd.DataFrame(np.arange(10).reshape(5, 2), columns=["a", "a"])
+    got = _key_columns(repeated, ["a"], False)  # Dask's selection: both columns named "a"
+    assert len(got) == 2
+    np.testing.assert_array_equal(got[1].to_numpy(), np.arange(1, 10, 2))
+    np.testing.assert_array_equal(_ours(repeated, ["a"], 7), _dask_ids(repeated, ["a"], 7))

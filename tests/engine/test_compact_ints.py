@@ -116,3 +116,13 @@ def test_a_chunk_header_costs_a_few_bytes_a_piece() -> None:
         Chunk.received(0, "a", 1, 0, pieces=data, metas=[b"m"], frames=[bytes(int(size.sum()) - 1)])
     with pytest.raises(ValueError, match="metadata outside"):
         Chunk.received(0, "a", 1, 0, pieces=data, metas=[], frames=[bytes(int(size.sum()))])
+
+
+def test_width_is_the_narrowest_unsigned_width_at_every_boundary() -> None:
+    from mpshuffle.memory.packed import _width
+
+    spans = [0, 1, 255, 256, 2**16 - 1, 2**16, 2**24, 2**32 - 1, 2**32, 2**40, 2**56, 2**63, 2**64 - 1]
+    want = [0, 1, 1, 2, 2, 4, 4, 4, 8, 8, 8, 8, 8]
+    assert [_width(s) for s in spans] == want
+    # The bytes follow the width: values spanning 2**16 take 4 bytes each, after the 17-byte header.
+    assert len(compact_ints(np.array([5, 5 + 2**16, 7]), delta=False)) == 17 + 3 * 4

@@ -642,3 +642,36 @@ def test_release_pages_gives_back_only_whole_pages_of_popped_pieces_in_shared_ma
     heap = box2.pop(0)
     assert heap.mapped is None and heap.release_pages() == 0
     del table, rest, heap, frame
+
+
+def test_popped_tables_carry_their_frames_addresses(tmp_path: Any) -> None:
+    """A pop's table has each buffer's address from the postbox (many chunks, filed at two times); spilled pieces' from their buffers."""
+    res = BufferResource({}, spill_dir=str(tmp_path))
+    box = Postbox(res, "addr")
+    nparts, values = 5, {}
+    for input_index in range(40):  # past the address array's first 16 entries, filed in two batches
+        pieces = []
+        for p in range(nparts):
+            values[(input_index, p)] = [input_index * 100 + p, -p]
+            pieces.append((p, _piece(values[(input_index, p)])))
+        box.add_chunk(Chunk.of_pieces(input_index, "a", 0, 0, pieces))
+        if input_index == 20:
+            got = box.pop(0)
+            assert got.bases is not None
+            assert got.bases.tolist() == [b.address for b in got.buffers]
+    for p in range(1, nparts):
+        got = box.pop(p)
+        assert got.bases is not None and len(got.bases) == len(got.buffers) == 40
+        np.testing.assert_array_equal(
+            got.address, np.array([b.address for b in got.buffers], np.uint64)[got.buffer_of] + got.offset.astype(np.uint64)
+        )
+        assert [np.frombuffer(g.data, np.int64).tolist() for g in got] == [values[(i, p)] for i in range(40)]
+    box.clear()
+    # With spilled pieces the table asks its buffers.
+    small = Postbox(BufferResource({MemoryType.HOST: 100}, spill_dir=str(tmp_path)), "addr-spilled")
+    small.add_chunk(Chunk.of_pieces(0, "a", 0, 0, [(0, _piece(range(5)))]))
+    small.add_chunk(Chunk.of_pieces(1, "a", 0, 1, [(0, _piece(range(50)))]))  # 400 bytes: to disk
+    got = small.pop(0)
+    assert small.bytes_spilled > 0 and got.bases is None
+    assert [np.frombuffer(g.data, np.int64).tolist() for g in got] == [list(range(5)), list(range(50))]
+    small.clear()

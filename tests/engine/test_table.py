@@ -898,3 +898,160 @@ def test_unpacked_gathered_partition_is_writable_and_exact(index: bool) -> None:
         pd.testing.assert_frame_equal(out, expected)
         out.iloc[0, 1] = -5.0  # the float column, set in place
         assert out.iloc[0, 1] == -5.0
+
+
+def _owned_copy(frame: pd.DataFrame, index: bool) -> tuple[pa.Table, pa.Schema]:
+    """``frame`` as a table over fresh mutable buffers (as a gather makes), and the schema object it was made with."""
+    source = pa.Table.from_pandas(frame, preserve_index=index)
+    arrays = []
+    for field, column in zip(source.schema, source.columns, strict=True):
+        a = column.combine_chunks()
+        if pa.types.is_string(field.type) or pa.types.is_large_string(field.type) or a.null_count:
+            arrays.append(a)
+            continue
+        data = np.frombuffer(a.buffers()[1], np.uint8).copy()
+        arrays.append(pa.Array.from_buffers(field.type, len(a), [None, pa.py_buffer(data)], offset=a.offset))
+    schema = source.schema
+    return pa.Table.from_arrays(arrays, schema=schema), schema
+
+
+@pytest.mark.parametrize("case", ["plain", "kept-index", "named-float-index", "datetime-index", "times", "int-labels"])
+def test_owned_frames_built_directly_equal_to_pandas(case: str) -> None:
+    from mpshuffle.table import pandas as mod
+
+    n = 37
+    rng = np.random.default_rng(7)
+    frames = {
+        "plain": (pd.DataFrame({"key": rng.integers(-5, 5, n), "x": rng.random(n)}), False),
+        "kept-index": (pd.DataFrame({"key": rng.integers(-5, 5, n), "v": rng.random(n)},
+                                    index=rng.integers(0, 1000, n)), True),
+        "named-float-index": (pd.DataFrame({"v": rng.random(n).astype(np.float32),
+                                            "u": rng.integers(0, 9, n).astype(np.uint16)},
+                                           index=pd.Index(rng.random(n), name="w")), True),
+        "datetime-index": (pd.DataFrame({"v": np.arange(n, dtype=np.int8)},
+                                        index=pd.date_range("2001-01-01", periods=n, freq="h", name="t")), True),
+        "times": (pd.DataFrame({"t": pd.date_range("2001-01-01", periods=n, freq="s").as_unit("ms"),
+                                "d": pd.to_timedelta(np.arange(n), "s").as_unit("ns")}), False),
+        "int-labels": (pd.DataFrame({0: rng.random(n), 1: rng.integers(0, 9, n)}), False),
+    }
+    frame, index = frames[case]
+    table, schema = _owned_copy(frame, index)
+    assert mod._frame_plan(schema) is not None  # these tables take the direct path
+    got = mod._owned_to_pandas(table, schema)
+    assert got is not None
+    expected = table.to_pandas(use_threads=False)
+    pd.testing.assert_frame_equal(got, expected, check_exact=True, check_column_type=True, check_index_type=True)
+    assert type(got.index) is type(expected.index) and got.index.names == expected.index.names
+    assert got.columns.dtype == expected.columns.dtype
+    # The same frame as the view-replacing conversion gives (no direct path): blocks, writability.
+    before = mod._FRAME_PLANS.copy()
+    mod._FRAME_PLANS.clear()
+    mod._FRAME_PLANS[id(schema)] = (schema, None)
+    try:
+        viewed = mod._owned_to_pandas(table, schema)
+    finally:
+        mod._FRAME_PLANS.clear()
+        mod._FRAME_PLANS.update(before)
+    assert viewed is not None
+    pd.testing.assert_frame_equal(got, viewed, check_exact=True, check_column_type=True, check_index_type=True)
+    assert got._mgr.nblocks == viewed._mgr.nblocks
+    for name in got.columns:
+        values = np.asarray(got[name].array)
+        assert values.flags.writeable
+        assert any(np.shares_memory(values, np.frombuffer(c.chunk(0).buffers()[1], np.uint8))
+                   for c in table.columns)  # a view of the table's buffer, no copy
+    # Settable in place, as a frame from to_pandas is.
+    column = got.columns[0]
+    got.loc[got.index[2], column] = got[column].iloc[5]
+    assert got[column].iloc[2] == got[column].iloc[5]
+
+
+def test_owned_frames_not_built_directly_where_to_pandas_differs() -> None:
+    from mpshuffle.table import pandas as mod
+
+    n = 9
+    cases = [
+        (pd.DataFrame({"a": pd.array(np.arange(n), dtype="Int64")}), False),  # an extension dtype in the metadata
+        (pd.DataFrame({"v": np.arange(n)}, index=[f"r{i}" for i in range(n)]), True),  # a string index
+        (pd.DataFrame({"v": np.arange(4)}, index=pd.MultiIndex.from_arrays([[1, 2, 3, 4], [5, 6, 7, 8]])), True),
+        (pd.DataFrame({"s": [f"v{i}" for i in range(n)], "v": np.arange(n)}), False),  # a string column
+    ]
+    for frame, index in cases:
+        table, schema = _owned_copy(frame, index)
+        assert mod._frame_plan(schema) is None
+        assert mod._direct_frame(table, schema) is None
+    # A column with nulls goes through to_pandas too.
+    table = pa.table({"x": pa.array([1.0, None, 3.0])})
+    assert mod._direct_frame(table, table.schema) is None
+
+
+def test_unpack_of_gathered_pieces_keeps_the_index_dtypes_and_order() -> None:
+    adapter = PandasAdapter(index=True)
+    rng = np.random.default_rng(3)
+    parts = [
+        pd.DataFrame({"key": rng.integers(0, 50, 40), "v": rng.random(40)}, index=np.arange(40) + 100 * k)
+        for k in range(6)
+    ]
+    pieces: dict[int, list[Any]] = {}
+    for part in parts:
+        for pid, piece in adapter.split(part, ["key"], 7).items():
+            pieces.setdefault(pid, []).append(piece)
+    meta = parts[0].iloc[:0]
+    total = 0
+    for pid, got_pieces in pieces.items():
+        got = adapter.unpack(got_pieces, meta)
+        expected = pd.concat([p[partition_ids(p[["key"]], 7) == pid] for p in parts])
+        pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True)
+        total += len(got)
+    assert total == 240
+
+
+def test_reconcile_with_known_dtypes_casts_as_without() -> None:
+    frame = pd.DataFrame({"a": np.arange(4, dtype=np.int32), "b": np.arange(4.0)})
+    meta = pd.DataFrame({"a": pd.Series([], dtype=np.int64), "b": pd.Series([], dtype=np.float64)})
+    got = reconcile(frame, meta, dtypes=[np.dtype(np.int32), np.dtype(np.float64)])
+    assert list(got.dtypes) == [np.dtype(np.int64), np.dtype(np.float64)]
+    pd.testing.assert_frame_equal(got, reconcile(frame, meta))
+    # Columns in another order than the meta's: the given dtypes are not used (they follow the frame's order).
+    reordered = frame[["b", "a"]]
+    got = reconcile(reordered, meta, dtypes=[np.dtype(np.float64), np.dtype(np.int32)])
+    assert list(got.columns) == ["a", "b"] and list(got.dtypes) == [np.dtype(np.int64), np.dtype(np.float64)]
+    np.testing.assert_array_equal(got["a"].to_numpy(), np.arange(4))
+
+
+def test_unpack_casts_the_direct_frame_toward_the_meta() -> None:
+    adapter = PandasAdapter()
+    rng = np.random.default_rng(5)
+    parts = [pd.DataFrame({"key": rng.integers(0, 30, 25).astype(np.int32), "v": rng.random(25)}) for _ in range(4)]
+    meta = pd.DataFrame({"key": pd.Series([], dtype=np.int64), "v": pd.Series([], dtype=np.float64)})
+    pieces: dict[int, list[Any]] = {}
+    for part in parts:
+        for pid, piece in adapter.split(part, ["key"], 5).items():
+            pieces.setdefault(pid, []).append(piece)
+    for pid, got_pieces in pieces.items():
+        got = adapter.unpack(got_pieces, meta)
+        expected = pd.concat(
+            [p[partition_ids(p[["key"]], 5) == pid] for p in parts], ignore_index=True
+        ).astype({"key": np.int64})
+        pd.testing.assert_frame_equal(got, expected, check_exact=True)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        pd.Index(np.arange(30, dtype=np.uint8) * 3, name="u8"),
+        pd.Index(np.linspace(0, 1, 30), name="f"),
+        pd.Index(np.arange(30) % 2 == 0, name="flag", dtype=bool),
+        pd.Index([f"r{i}" for i in range(30)], name="s"),
+        pd.MultiIndex.from_arrays([np.arange(30, dtype=np.int32), [f"m{i % 4}" for i in range(30)]], names=["a", "b"]),
+    ],
+    ids=["uint8", "float64", "bool", "str", "int32-and-str-levels"],
+)
+def test_kept_index_levels_of_every_kind_come_back(index: pd.Index) -> None:
+    adapter = PandasAdapter(index=True)
+    frame = pd.DataFrame({"key": np.arange(30) % 7, "v": np.arange(30.0)}, index=index)
+    pieces = adapter.split(frame, ["key"], 4)
+    got = pd.concat([adapter.unpack([pieces[pid]], frame.iloc[:0]) for pid in sorted(pieces)])
+    ids = partition_ids(frame[["key"]], 4)
+    expected = pd.concat([frame[ids == pid] for pid in sorted(pieces)])
+    pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True)

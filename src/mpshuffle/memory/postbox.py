@@ -320,6 +320,8 @@ class Postbox:
         self._meta_list: list[bytes] = []
         self._frames: list[Any] = []
         self._frame_maps: list[tuple[mmap.mmap, int] | None] = []  # per frame, Chunk.mapped
+        # Per frame, its address (the first len(self._frames) entries; grown by doubling).
+        self._frame_addr = np.zeros(16, np.uint64)
         # partition id -> [(segment, piece numbers in it)], filled by _index.
         self._where: dict[int, list[tuple[_Segment, npt.NDArray[Any]]]] = {}
         self._held = {MemoryType.HOST: 0, MemoryType.DISK: 0}
@@ -478,6 +480,7 @@ class Postbox:
                 ch.frames_at = len(self._frames)
                 self._frames.extend(ch.frames)
                 self._frame_maps.extend(ch.mapped)
+                self._note_addresses(ch.frames_at, ch.frames)
                 frame_no.append(frame_of + ch.frames_at)
                 position.append(offset)
             else:
@@ -509,6 +512,15 @@ class Postbox:
         for lo, hi in itertools.pairwise(bounds):
             if lo < hi:
                 self._where.setdefault(int(sorted_pids[lo]), []).append((segment, by_pid[lo:hi]))
+
+    def _note_addresses(self, at: int, frames: Sequence[Any]) -> None:
+        """Remember the addresses of ``frames``, numbered from ``at`` (under the lock)."""
+        end = at + len(frames)
+        if end > len(self._frame_addr):
+            grown = np.zeros(max(end, 2 * len(self._frame_addr)), np.uint64)
+            grown[:at] = self._frame_addr[:at]
+            self._frame_addr = grown
+        self._frame_addr[at:end] = [f.address for f in frames]  # Chunk's frames are pyarrow Buffers
 
     def pop(
         self, partition_id: int, keep: Callable[[tuple[int, str, int, int]], bool] | None = None
@@ -558,8 +570,10 @@ class Postbox:
             pieces = pieces.take(np.lexsort((seq, src, self._attempt_rank[att], inp)))
             in_memory = pieces.frame >= 0
             frames, frame_at = np.unique(pieces.frame[in_memory], return_inverse=True)
-            buffers = [self._frames[f] for f in frames.tolist()]
-            mapped = [self._frame_maps[f] for f in frames.tolist()]
+            frame_list = frames.tolist()
+            buffers = [self._frames[f] for f in frame_list]
+            bases = self._frame_addr[frames]
+            mapped = [self._frame_maps[f] for f in frame_list]
             metas, meta_of = np.unique(pieces.meta, return_inverse=True)
             meta_list = [self._meta_list[m] for m in metas.tolist()]
         buffer_of = np.full(len(pieces.chunk), len(buffers), np.int32)
@@ -588,7 +602,10 @@ class Postbox:
         table = PieceTable._unchecked(
             np.full(len(pieces.chunk), partition_id, np.int64), pieces.nrows.astype(np.int64),
             meta_of.astype(np.int32), meta_list, buffer_of, offset, pieces.size.astype(np.int64), buffers,
-            mapped + [None] * (len(buffers) - len(mapped)) if any(m is not None for m in mapped) else None,
+            # count(None) in C: a generator over the ~450 frames of a 2000 -> 2000
+            # output partition cost ~0.1 ms a pop where none is mapped.
+            mapped + [None] * (len(buffers) - len(mapped)) if mapped.count(None) < len(mapped) else None,
+            bases if len(bases) == len(buffers) else None,  # with spilled pieces' buffers: asked of them
         )
         with self._lock:
             self._done(pieces.chunk)

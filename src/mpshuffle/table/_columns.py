@@ -189,15 +189,18 @@ def _temporal_factor(t: pa.DataType) -> int | None:
     return _NS_PER_UNIT.get(unit) if unit is not None else None
 
 
-def pandas_columns(frame: pd.DataFrame, index: bool, schema: pa.Schema) -> list[Column]:
+def pandas_columns(
+    frame: pd.DataFrame, index: bool, schema: pa.Schema, items: Sequence[tuple[Any, pd.Series]] | None = None
+) -> list[Column]:
     """Buffers of a frame's columns (and index levels when ``index``), in ``schema`` order.
 
     ``schema`` is ``pyarrow.Schema.from_pandas`` of the frame without its
     pickled columns; those come last, as ``"pickle"`` columns naming their
-    position in the frame in ``field``.
+    position in the frame in ``field``. ``items``: ``list(frame.items())``
+    where the caller has it already.
     """
     # ``items`` once: ``iloc[:, j]`` per column costs ~60 us on a fresh frame.
-    by_name = {str(name): series for name, series in frame.items()}
+    by_name = {str(name): series for name, series in (frame.items() if items is None else items)}
     index_fields = _index_fields(schema) if index else []
     out = []
     for k, field in enumerate(schema):
@@ -205,15 +208,32 @@ def pandas_columns(frame: pd.DataFrame, index: bool, schema: pa.Schema) -> list[
             series = by_name[field.name]
         else:
             level = index_fields.index(field.name)
-            series = pd.Series(frame.index.get_level_values(level))
+            values = frame.index.get_level_values(level)
+            dtype = values.dtype
+            # A numeric level is read as its numpy values (dtype, to_numpy), as
+            # from a Series of it; building that Series cost ~30 us an insert.
+            numeric = isinstance(dtype, np.dtype) and dtype.kind in "iufb"
+            series = values if numeric else pd.Series(values)
         col = _pandas_column(series, field.type, k)
         out.append(col)
     return out
 
 
+# The index fields of a schema by its id (the schema object kept with them, so
+# the id is not reused): ``Schema.pandas_metadata`` parses the JSON at every access.
+_INDEX_FIELDS: dict[int, tuple[pa.Schema, list[str]]] = {}
+
+
 def _index_fields(schema: pa.Schema) -> list[str]:
+    hit = _INDEX_FIELDS.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
     meta = schema.pandas_metadata or {}
-    return [c for c in meta.get("index_columns", []) if isinstance(c, str)]
+    fields = [c for c in meta.get("index_columns", []) if isinstance(c, str)]
+    if len(_INDEX_FIELDS) >= 256:
+        _INDEX_FIELDS.clear()
+    _INDEX_FIELDS[id(schema)] = (schema, fields)
+    return fields
 
 
 def _pandas_column(series: pd.Series, t: pa.DataType, field: int) -> Column:
@@ -861,7 +881,8 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
     (table, names, schemas) or None
         The table (the first piece's schema, metadata included), the
         original column names as :func:`read_piece` gives them and the
-        distinct schemas of the pieces (to check against a meta); ``None``
+        distinct schemas of the pieces (to check against a meta; the first
+        is the schema object the table was made with); ``None``
         when the pieces do not qualify (the caller reads them one by one).
     """
     if not pieces:

@@ -32,7 +32,7 @@ import json
 import pickle
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import pandas as pd
@@ -237,7 +237,7 @@ def _zero_copy_dtype(t: pa.DataType) -> np.dtype[Any] | None:
     return None
 
 
-def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
+def _owned_to_pandas(table: pa.Table, schema: pa.Schema | None = None) -> pd.DataFrame | None:
     """``table.to_pandas()`` without copying its integer and float columns, for a table this process wrote.
 
     ``to_pandas`` copies every numeric and time column into a new consolidated block:
@@ -261,6 +261,11 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
     ----------
     table
         A table whose buffers nothing else refers to (length n rows).
+    schema
+        The schema object ``table`` was made with, if the caller has it:
+        where every column can be viewed, the frame is then built without
+        ``to_pandas``, by a plan remembered per schema object (see
+        :func:`_direct_frame`).
 
     Returns
     -------
@@ -268,6 +273,9 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
         The frame ``table.to_pandas(use_threads=False)`` gives (same columns,
         index and dtypes), or ``None``.
     """
+    direct = _direct_frame(table, schema)
+    if direct is not None:
+        return direct
     views: dict[int, np.ndarray] = {}
     for column in table.columns:
         t = column.type
@@ -311,6 +319,129 @@ def _owned_to_pandas(table: pa.Table) -> pd.DataFrame | None:
     return out
 
 
+# What converting a table of a given schema gives, by the schema's id (the
+# schema object is kept with it, so the id is not reused); see _frame_plan.
+_FRAME_PLANS: dict[int, tuple[pa.Schema, _FramePlan | None]] = {}
+_FRAME_PLANS_MAX = 256
+
+
+class _FramePlan:
+    """How :func:`_direct_frame` builds the frame of a table of one schema (see :func:`_frame_plan`)."""
+
+    __slots__ = ("columns", "dtypes", "index", "labels")
+
+    def __init__(
+        self, labels: pd.Index, columns: list[int], dtypes: list[np.dtype[Any]],
+        index: tuple[int, np.dtype[Any], Any] | None,
+    ) -> None:
+        self.labels = labels  # the frame's column index
+        self.columns = columns  # the table's columns of the frame's columns, in order
+        self.dtypes = dtypes  # their NumPy dtypes
+        self.index = index  # (table column, dtype, name) of a one-level index, or None: a RangeIndex
+
+
+def _frame_plan(schema: pa.Schema, remember: bool = True) -> _FramePlan | None:
+    """How ``to_pandas`` converts a table of ``schema``, where it views every column; else ``None``.
+
+    A plan where every field is of a type :func:`_zero_copy_dtype` views,
+    ``to_pandas`` of the schema's empty table gives exactly that NumPy
+    dtype for each column (no extension dtype named by the pandas
+    metadata), and the metadata keeps no index (the frame gets a fresh
+    ``RangeIndex``) or one level of such a type (a kept index, as Dask's
+    ``shuffle`` keeps it), which ``pandas.Index`` of the values gives as
+    ``to_pandas`` does (same class, dtype and name). With ``remember``,
+    remembered per schema object: the pieces' schemas are parsed once per
+    distinct metadata (:func:`~mpshuffle.table._columns.gather` returns
+    them), while ``pyarrow.Table.schema`` is a new object at every access.
+    """
+    hit = _FRAME_PLANS.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    plan = _make_frame_plan(schema)
+    if not remember:
+        return plan
+    if len(_FRAME_PLANS) >= _FRAME_PLANS_MAX:
+        _FRAME_PLANS.clear()
+    _FRAME_PLANS[id(schema)] = (schema, plan)
+    return plan
+
+
+def _make_frame_plan(schema: pa.Schema) -> _FramePlan | None:
+    meta = schema.pandas_metadata
+    if meta is None:
+        return None
+    dtypes = [_zero_copy_dtype(t) for t in schema.types]
+    if any(d is None for d in dtypes):
+        return None
+    index_columns = meta.get("index_columns") or []
+    if len(index_columns) > 1 or not all(isinstance(c, str) for c in index_columns):
+        return None  # several levels, or a RangeIndex kept as metadata: through to_pandas
+    names = schema.names
+    at = [names.index(c) for c in index_columns if names.count(c) == 1]
+    if len(at) != len(index_columns):
+        return None
+    empty = schema.empty_table().to_pandas(use_threads=False, split_blocks=True)
+    columns = [k for k in range(len(names)) if k not in at]
+    got = list(empty.dtypes)
+    if len(got) != len(columns) or not all(
+        isinstance(g, np.dtype) and g == dtypes[k] for g, k in zip(got, columns, strict=True)
+    ):
+        return None
+    index: tuple[int, np.dtype[Any], Any] | None = None
+    if at:
+        dtype = cast("np.dtype[Any]", dtypes[at[0]])
+        made = pd.Index(np.empty(0, dtype), name=empty.index.name, copy=False)
+        if type(made) is not type(empty.index) or made.dtype != empty.index.dtype or made.name != empty.index.name:
+            return None
+        index = (at[0], dtype, empty.index.name)
+    elif not (isinstance(empty.index, pd.RangeIndex) and empty.index.name is None):
+        return None
+    return _FramePlan(empty.columns, columns, [cast("np.dtype[Any]", dtypes[k]) for k in columns], index)
+
+
+def _direct_frame(table: pa.Table, schema: pa.Schema | None = None) -> pd.DataFrame | None:
+    """The frame :func:`_owned_to_pandas` gives, built from the buffers without ``to_pandas``, or ``None``.
+
+    For a table whose every column ``to_pandas`` would view (see
+    :func:`_frame_plan`), one chunk each, without nulls, over a mutable
+    buffer: each column becomes a writable NumPy view of its buffer, and
+    the frame is built as :func:`_owned_to_pandas` builds it from those
+    views, with the column index ``to_pandas`` gives the schema, and a
+    fresh ``RangeIndex`` or the kept index over its column's buffer.
+    ``to_pandas`` of a gathered partition of a few hundred rows cost most
+    of an extract's unpack at 2000 -> 2000, nearly all of it per call, not
+    per row. ``schema``: the schema object ``table`` was made with (its
+    plan is remembered by that object), or ``None``.
+    """
+    plan = _frame_plan(table.schema, remember=False) if schema is None else _frame_plan(schema)
+    n = table.num_rows
+    if plan is None or not n:
+        return None
+    views = []
+    for column in table.columns:
+        if column.num_chunks != 1 or column.null_count:
+            return None
+        chunk = column.chunk(0)
+        data = chunk.buffers()[1]
+        if data is None or not data.is_mutable:
+            return None
+        views.append((data, chunk.offset))
+    dtypes = plan.dtypes
+    columns = {
+        i: np.frombuffer(views[k][0], dtypes[i])[views[k][1] : views[k][1] + n]
+        for i, k in enumerate(plan.columns)
+    }
+    if plan.index is None:
+        index = pd.RangeIndex(n)
+    else:
+        k, dtype, name = plan.index
+        data, offset = views[k]
+        index = pd.Index(np.frombuffer(data, dtype)[offset : offset + n], name=name, copy=False)
+    out = pd.DataFrame(columns, index=index, copy=False)
+    out.columns = plan.labels
+    return out
+
+
 def _nullable_ints(table: pa.Table, frame: pd.DataFrame) -> pd.DataFrame:
     """Give Arrow integer columns with nulls a nullable pandas dtype, not ``float64``.
 
@@ -320,6 +451,8 @@ def _nullable_ints(table: pa.Table, frame: pd.DataFrame) -> pd.DataFrame:
     nullable ``Int*``/``UInt*`` column is exact; :func:`reconcile` then casts
     it to the meta's dtype, or names the column if that would lose values.
     """
+    if not any(column.null_count for column in table.columns):
+        return frame
     fixed = {}
     for name in frame.columns:
         if not isinstance(name, str) or name not in table.column_names:
@@ -457,12 +590,15 @@ class PandasAdapter(FrameAdapter):
         names = self._names(frame)
         if len(frame) == 0:
             return {}
-        dtypes = tuple(frame.dtypes)
+        # The columns once, their dtypes from them: ``frame.dtypes`` builds a
+        # Series of its own (~50 us on each new input frame).
+        items = list(frame.items())
+        dtypes = tuple(series.dtype for _, series in items)
         pickled = _pickled_positions(frame, dtypes)
         kept = frame.iloc[:, [i for i in range(frame.shape[1]) if i not in pickled]] if pickled else frame
         try:
             schema = _schema_of(kept, self.index, tuple(kept.dtypes) if pickled else dtypes)
-            columns = pandas_columns(kept, self.index, schema)
+            columns = pandas_columns(kept, self.index, schema, None if pickled else items)
         except _ARROW_CONVERSION_ERRORS:
             return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         if self.index and not _objects_round_trip_index(frame, columns[kept.shape[1]:]):
@@ -537,7 +673,8 @@ class PandasAdapter(FrameAdapter):
         if not pieces:
             return self.empty_like(meta)
         if all(is_cols(m) for m in distinct_metadata(pieces)):
-            return reconcile(self._unpack_cols(pieces, meta), meta, on_lossy_cast)
+            frame, dtypes = self._unpack_cols(pieces, meta)
+            return reconcile(frame, meta, on_lossy_cast, dtypes=dtypes)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
             tables = [read_ipc(p.data) for p in pieces]
@@ -555,7 +692,10 @@ class PandasAdapter(FrameAdapter):
             frame = self._concat_frames(pieces, meta)
         return reconcile(frame, meta, on_lossy_cast)
 
-    def _unpack_cols(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
+    def _unpack_cols(
+        self, pieces: Sequence[PackedData], meta: pd.DataFrame
+    ) -> tuple[pd.DataFrame, Sequence[Any] | None]:
+        """The pieces as one frame, and its columns' dtypes where they are known without asking it (else ``None``)."""
         gathered = gather(pieces)
         if gathered is not None:
             # One table for all pieces; their schemas have the same field
@@ -564,7 +704,14 @@ class PandasAdapter(FrameAdapter):
             header = Header(ARROW, tuple(names) if names is not None else None)
             for schema in schemas:
                 check_columns(self._restored(_data_fields(schema), header), meta)
-            return self._to_pandas(table, header, owned=True)
+            direct = _direct_frame(table, schemas[0])
+            if direct is not None:
+                # What _to_pandas gives (no nulls: nothing for _nullable_ints), with its dtypes.
+                if header.names is not None:
+                    direct.columns = self._restored([str(c) for c in direct.columns], header)
+                plan = _frame_plan(schemas[0])
+                return direct, plan.dtypes if plan is not None else None
+            return self._to_pandas(table, header, owned=True, schema=schemas[0]), None
         parts = [read_piece(p) for p in pieces]
         header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
         checked = set()
@@ -582,14 +729,14 @@ class PandasAdapter(FrameAdapter):
         if len({tuple(sorted(p)) for _, p, _ in parts}) > 1:
             # A column pickled in some input partitions and not in others:
             # let pandas concatenate (to object); reconcile checks the meta.
-            return self._concat_frames(pieces, meta)
+            return self._concat_frames(pieces, meta), None
         try:
             frame = self._to_pandas(
                 pa.concat_tables([t for t, _, _ in parts], promote_options="default"), header
             )
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            return self._concat_frames(pieces, meta)
-        return _insert_pickled(frame, [p for _, p, _ in parts])
+            return self._concat_frames(pieces, meta), None
+        return _insert_pickled(frame, [p for _, p, _ in parts]), None
 
     def _concat_frames(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
         frames = []
@@ -615,11 +762,13 @@ class PandasAdapter(FrameAdapter):
         by_str = {str(n): n for n in header.names}
         return [by_str.get(f, f) for f in field_names]
 
-    def _to_pandas(self, table: pa.Table, header: Header, owned: bool = False) -> pd.DataFrame:
+    def _to_pandas(
+        self, table: pa.Table, header: Header, owned: bool = False, schema: pa.Schema | None = None
+    ) -> pd.DataFrame:
         # One thread: Dask runs extracts in parallel already, and Arrow's pool
         # threads on top of every task thread cost CPU time, not only wall time
         # (0.067 against 0.049 CPU-s/GB for the benchmark's partitions).
-        converted = _owned_to_pandas(table) if owned else None
+        converted = _owned_to_pandas(table, schema) if owned else None
         if converted is None:
             converted = table.to_pandas(use_threads=False)
         frame = _nullable_ints(table, converted)
