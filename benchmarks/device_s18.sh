@@ -10,7 +10,7 @@
 #   tpch2     TPC-H lineitem SF 1 (16 parts) through the config line, 2 workers, after only, with P2P and tasks
 #   tpch2first  the same with a fresh cluster's first and second shuffle per method first (--first)
 #   tpch16    lineitem SF 1 at 16 workers, the four methods in turns, 2 rounds
-#   parts16   10,000 -> 10,000 partitions of 2,000 rows at 16 workers: mpshuffle and Dask's floor
+#   parts16   10,000 -> 10,000 partitions of 20,000 rows (3.2 GB) at 16 workers: mpshuffle and Dask's floor (fused)
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -44,7 +44,7 @@ for step in "$@"; do
              --memory-limit 8 --repeats 1 --first ;;
     tpch16) bench after config_line-lineitem-h100-16w-s18 --data lineitem --sf 1 --parts 16 --workers 16 \
              --memory-limit 6 --repeats 2 ;;
-    parts16) PYTHONPATH=$(src after) timeout 500 python3 benchmarks/partitions_bench.py --workers 16 --rows 2000 \
+    parts16) PYTHONPATH=$(src after) timeout 480 python3 benchmarks/partitions_bench.py --workers 16 --rows 20000 \
              --sizes 10000 --methods mpshuffle floor-fused --out "$OUT/partitions-h100-16w-s18.json" 2>&1 | quiet | tail -12 ;;
   esac
 done
