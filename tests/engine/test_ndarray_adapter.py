@@ -505,3 +505,6 @@ def test_rechunk_outputs_of_one_shape_share_an_output_block_and_object_blocks_st
     objs = _output_array((2, 2), np.dtype(object))
     assert objs.dtype == object and all(v is None for v in objs.ravel())  # numpy's, not raw memory
     assert _output_array((0, 5), np.dtype("i8")).shape == (0, 5)
+    for zero_size in ("S0", "U0", "V0"):  # no bytes to view: numpy's own empty array
+        empty = _output_array((3, 2), np.dtype(zero_size))
+        assert empty.shape == (3, 2) and empty.dtype == np.empty((3, 2), np.dtype(zero_size)).dtype

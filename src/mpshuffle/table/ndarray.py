@@ -215,9 +215,10 @@ def _output_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[A
 
     Its memory from :func:`~mpshuffle.memory._pages.output_empty` (the kind
     of page that is cheaper on this machine) where the dtype holds no Python
-    objects; ``numpy.empty`` otherwise (object arrays start as ``None``).
+    objects and has a size; ``numpy.empty`` otherwise (object arrays start as
+    ``None``; a zero-size dtype such as ``S0`` has no bytes to view).
     """
-    if dtype.hasobject:
+    if dtype.hasobject or dtype.itemsize == 0:
         return np.empty(shape, dtype=dtype)
     count = int(np.prod(shape, dtype=np.int64))
     return output_empty(count * dtype.itemsize).view(dtype).reshape(shape)
