@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["HUGE_PAGE", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "POPULATE_MIN_BYTES", "free_pages_reported",
-           "huge_page_empty", "libc", "output_empty", "populate_write", "small_page_empty"]
+__all__ = ["ALIGNMENT", "HUGE_PAGE", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE", "POPULATE_MIN_BYTES", "aligned_empty",
+           "free_pages_reported", "huge_page_empty", "libc", "output_empty", "populate_write", "small_page_empty"]
 
 #: ``madvise`` advice that faults a range in for reading and reports read errors (Linux 5.14+).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -37,6 +37,18 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 POPULATE_MIN_BYTES = 64 * 1024
 
 _populate_write_works = True
+
+#: Every range starts at a multiple of this many bytes (Arrow's alignment).
+ALIGNMENT = 64
+
+
+def aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
+    """A new, uninitialised 1-D ``uint8`` array of ``nbytes`` whose data starts at a multiple of
+    :data:`ALIGNMENT` bytes (a pool's fresh block where no ``fresh`` function is given; re-exported
+    by :mod:`mpshuffle.memory.pool`)."""
+    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + nbytes]
 
 
 @functools.cache
@@ -119,7 +131,7 @@ def huge_page_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     ----------
     nbytes
         Size in bytes; below two huge pages, or where ``madvise`` cannot be
-        called, a plain 64-byte aligned array as :func:`~mpshuffle.memory.pool.aligned_empty`.
+        called, a plain 64-byte aligned array (:func:`aligned_empty`).
 
     Returns
     -------
@@ -129,9 +141,7 @@ def huge_page_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     """
     lib = libc()
     if lib is None or nbytes < 2 * HUGE_PAGE:
-        raw = np.empty(nbytes + 64, np.uint8)
-        start = (-raw.ctypes.data) % 64
-        return raw[start : start + nbytes]
+        return aligned_empty(nbytes)
     raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
     start = (-raw.ctypes.data) % HUGE_PAGE
     block = raw[start : start + nbytes]
@@ -179,13 +189,11 @@ def small_page_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     than they save (:func:`free_pages_reported`): the pages come one by one
     from the kernel's free lists, but in one ``madvise(MADV_POPULATE_WRITE)``
     call rather than a trap each. Below :data:`POPULATE_MIN_BYTES`, or
-    without libc, a plain 64-byte aligned array.
+    without libc, a plain 64-byte aligned array (:func:`aligned_empty`).
     """
     lib = libc()
     if lib is None or nbytes < POPULATE_MIN_BYTES:
-        raw = np.empty(nbytes + 64, np.uint8)
-        start = (-raw.ctypes.data) % 64
-        return raw[start : start + nbytes]
+        return aligned_empty(nbytes)
     page = mmap.PAGESIZE
     raw = np.empty(nbytes + page, np.uint8)
     start = (-raw.ctypes.data) % page

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mpshuffle.memory._pages import populate_write
+from mpshuffle.memory._pages import ALIGNMENT, aligned_empty, populate_write
 from mpshuffle.memory.resource import MemoryType
 
 if TYPE_CHECKING:
@@ -55,9 +55,6 @@ if TYPE_CHECKING:
     from mpshuffle.memory.resource import BufferResource, Reservation
 
 __all__ = ["ALIGNMENT", "HostPool", "aligned_empty"]
-
-#: Every range starts at a multiple of this many bytes (Arrow's alignment).
-ALIGNMENT = 64
 
 
 def _round_up(n: int) -> int:
@@ -77,14 +74,6 @@ def size_class(nbytes: int) -> int:
 def _classes(cls: int) -> tuple[int, int, int]:
     # A request is served by a block of its own class or of the next two.
     return cls, size_class(cls + cls // 8), size_class(cls + cls // 4)
-
-
-def aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
-    """A new, uninitialised 1-D ``uint8`` array of ``nbytes`` whose data starts at a multiple of
-    :data:`ALIGNMENT` bytes (a pool's fresh block where no ``fresh`` function is given)."""
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    return raw[start : start + nbytes]
 
 
 class HostPool:

@@ -47,7 +47,7 @@ import pandas as pd
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.memory._pages import output_empty
+from mpshuffle.memory._pages import aligned_empty, output_empty
 from mpshuffle.memory.packed import PackedData, PackedPieces, PieceTable
 from mpshuffle.table._canonical import hash_arrow_column, hash_pandas_column
 from mpshuffle.table._kernels import COMBINE, COMBINE_FINAL, FIRST, FIRST_FINAL, kernels
@@ -435,12 +435,6 @@ def _aligned(sizes: npt.NDArray[np.int64], align: int = _ALIGN) -> npt.NDArray[n
     return (sizes + (align - 1)) & ~(align - 1)
 
 
-def _empty_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
-    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    start = (-raw.ctypes.data) % _ALIGN
-    return raw[start : start + nbytes]
-
-
 def pack(
     columns: Sequence[Column],
     split: Split,
@@ -685,13 +679,13 @@ def _allocate(
     """
     if pool is None:
         offsets = (np.cumsum(sizes) - np.asarray(sizes, np.int64)).tolist()
-        buf = _empty_aligned(max(sum(sizes), 1))
+        buf = aligned_empty(max(sum(sizes), 1))
         return buf, offsets, [pa.py_buffer(buf[o : o + s]) for o, s in zip(offsets, sizes, strict=True)]
     # A group without pieces gets no memory (nothing is written to it).
     buffers = [pool.allocate(s) if s else pa.py_buffer(b"") for s in sizes]
     used = [b for b, s in zip(buffers, sizes, strict=True) if s]
     if not used:
-        return _empty_aligned(1), [0] * len(sizes), buffers
+        return aligned_empty(1), [0] * len(sizes), buffers
     lo = min(b.address for b in used)
     hi = max(b.address + b.size for b in used)
     span = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
@@ -951,9 +945,10 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
             data_bytes = int(np.where(start[j, 1] >= 0, nbytes_of[j, 1], 0).sum())
             sizes.append((validity_bytes, (total + 1) * 8 if width == 8 else 0, data_bytes))
     flat = np.array(sizes, np.int64).reshape(-1)
-    ends = np.cumsum(_aligned(flat))
-    block = output_empty(max(int(ends[-1]), 1) if flat.size else 1)
-    views = [block[e - int(a) : e - int(a) + int(n)] for e, a, n in zip(ends.tolist(), _aligned(flat), flat, strict=True)]
+    padded = _aligned(flat)
+    starts = (np.cumsum(padded) - padded).tolist()
+    block = output_empty(max(int(padded.sum()), 1))
+    views = [block[at : at + n] for at, n in zip(starts, flat.tolist(), strict=True)]
     arrays = []
     for j, (kind, field, width) in enumerate(kinds):
         bits_out, first, second = views[3 * j : 3 * j + 3]

@@ -81,7 +81,7 @@ import numpy as np
 import pyarrow as pa
 
 from mpshuffle.errors import ShuffleError
-from mpshuffle.memory._pages import output_empty
+from mpshuffle.memory._pages import aligned_empty, output_empty
 from mpshuffle.memory.packed import PackedData, PieceTable
 from mpshuffle.table.base import FrameAdapter
 from mpshuffle.table.hashing import partition_owner
@@ -222,12 +222,6 @@ def _output_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[A
         return np.empty(shape, dtype=dtype)
     count = int(np.prod(shape, dtype=np.int64))
     return output_empty(count * dtype.itemsize).view(dtype).reshape(shape)
-
-
-def _empty_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
-    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-    start = (-raw.ctypes.data) % _ALIGN
-    return raw[start : start + nbytes]
 
 
 class NDArrayAdapter(FrameAdapter):
@@ -685,7 +679,7 @@ def _pack(
         layout[pid] = (owner, base, total, at)
         sizes[owner] = base + _round_up(total, _ALIGN)
     buffers = {
-        owner: (pool.allocate(t) if pool is not None else pa.py_buffer(_empty_aligned(t))) if t else pa.py_buffer(b"")
+        owner: (pool.allocate(t) if pool is not None else pa.py_buffer(aligned_empty(t))) if t else pa.py_buffer(b"")
         for owner, t in sizes.items()
     }
     arrays = {owner: np.frombuffer(b, dtype=np.uint8) for owner, b in buffers.items() if sizes[owner]}
@@ -901,7 +895,7 @@ def _pack_grid(
     def fresh(nbytes: int) -> tuple[pa.Buffer | None, Any]:
         if not nbytes:
             return None, None
-        buf = pool.allocate(nbytes) if pool is not None else pa.py_buffer(_empty_aligned(nbytes))
+        buf = pool.allocate(nbytes) if pool is not None else pa.py_buffer(aligned_empty(nbytes))
         return buf, np.frombuffer(buf, dtype=np.uint8)
 
     # Index 0: the pieces sent away; 1: the pieces kept. Each filled from its start.
