@@ -219,21 +219,35 @@ def pandas_columns(
     return out
 
 
-# The index fields of a schema by its id (the schema object kept with them, so
-# the id is not reused): ``Schema.pandas_metadata`` parses the JSON at every access.
+def per_schema(cache: dict[int, tuple[pa.Schema, Any]], schema: pa.Schema, make: Callable[[pa.Schema], Any]) -> Any:
+    """``make(schema)``, remembered in ``cache`` by the schema object.
+
+    Keyed by ``id(schema)``, the object kept beside its value so that the id
+    is not reused while the entry lives; at 256 entries the cache starts
+    over. For what every insert or extract would otherwise derive again from
+    one schema object (``Schema.pandas_metadata`` parses its JSON at every
+    access).
+    """
+    hit = cache.get(id(schema))
+    if hit is not None and hit[0] is schema:
+        return hit[1]
+    value = make(schema)
+    if len(cache) >= 256:
+        cache.clear()
+    cache[id(schema)] = (schema, value)
+    return value
+
+
 _INDEX_FIELDS: dict[int, tuple[pa.Schema, list[str]]] = {}
 
 
 def _index_fields(schema: pa.Schema) -> list[str]:
-    hit = _INDEX_FIELDS.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
+    return per_schema(_INDEX_FIELDS, schema, _read_index_fields)  # type: ignore[no-any-return]
+
+
+def _read_index_fields(schema: pa.Schema) -> list[str]:
     meta = schema.pandas_metadata or {}
-    fields = [c for c in meta.get("index_columns", []) if isinstance(c, str)]
-    if len(_INDEX_FIELDS) >= 256:
-        _INDEX_FIELDS.clear()
-    _INDEX_FIELDS[id(schema)] = (schema, fields)
-    return fields
+    return [c for c in meta.get("index_columns", []) if isinstance(c, str)]
 
 
 def _pandas_column(series: pd.Series, t: pa.DataType, field: int) -> Column:

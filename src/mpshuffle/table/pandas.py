@@ -48,6 +48,7 @@ from mpshuffle.table._columns import (
     pack,
     pandas_columns,
     pandas_row_split,
+    per_schema,
     rank_ids,
     read_piece,
     scratch_empty,
@@ -319,10 +320,8 @@ def _owned_to_pandas(table: pa.Table, schema: pa.Schema | None = None) -> pd.Dat
     return out
 
 
-# What converting a table of a given schema gives, by the schema's id (the
-# schema object is kept with it, so the id is not reused); see _frame_plan.
+# What converting a table of a given schema gives, by schema object (per_schema); see _frame_plan.
 _FRAME_PLANS: dict[int, tuple[pa.Schema, _FramePlan | None]] = {}
-_FRAME_PLANS_MAX = 256
 
 
 class _FramePlan:
@@ -354,16 +353,9 @@ def _frame_plan(schema: pa.Schema, remember: bool = True) -> _FramePlan | None:
     distinct metadata (:func:`~mpshuffle.table._columns.gather` returns
     them), while ``pyarrow.Table.schema`` is a new object at every access.
     """
-    hit = _FRAME_PLANS.get(id(schema))
-    if hit is not None and hit[0] is schema:
-        return hit[1]
-    plan = _make_frame_plan(schema)
     if not remember:
-        return plan
-    if len(_FRAME_PLANS) >= _FRAME_PLANS_MAX:
-        _FRAME_PLANS.clear()
-    _FRAME_PLANS[id(schema)] = (schema, plan)
-    return plan
+        return _make_frame_plan(schema)
+    return per_schema(_FRAME_PLANS, schema, _make_frame_plan)  # type: ignore[no-any-return]
 
 
 def _make_frame_plan(schema: pa.Schema) -> _FramePlan | None:
