@@ -44,8 +44,8 @@ from distributed import Client, LocalCluster, get_task_stream, wait
 import mpshuffle.dask  # noqa: F401 -- installs the shuffle method
 
 sys.path.insert(0, str(Path(__file__).parent))
-from config_line_bench import shuffled, synthetic  # noqa: E402
-from thread_cpu import snapshot  # noqa: E402
+from config_line_bench import shuffled, synthetic
+from thread_cpu import snapshot
 
 _GROUPS = ("mpshuffle-progress", "Dask-Default-Threads", "MainThread")
 # Key prefixes of the map side of each method (the tasks that read input partitions).
