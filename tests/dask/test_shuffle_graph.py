@@ -162,6 +162,36 @@ def test_persisted_input_runs_only_the_shuffle(client: Client, nout: int) -> Non
     _no_state_left(client)
 
 
+def test_config_line_on_a_persisted_input_runs_no_alias_task(client: Client) -> None:
+    """Through Dask's ``df.shuffle`` with the method set, the inserts read the persisted keys.
+
+    Dask's expression of a persisted frame (``FromGraph``) names its
+    partitions anew and points to the held ones through an ``Alias`` task
+    each; with the inserts reading the held keys, no alias is needed, and
+    none runs. The output is Dask's (its hash decides the partitions).
+    """
+    from dask.dataframe.shuffle import partitioning_index
+
+    pdf = _pdf()
+    a = _persisted(client, pdf, 4)
+    with dask.config.set({"dataframe.shuffle.method": "mpshuffle"}):
+        out = a.shuffle("k", npartitions=3).optimize()
+    assert _aliases(out) == []
+    parts, counts = _run_counted(client, out)
+    assert counts == Counter(
+        {"mpshuffle-start": 1, "mpshuffle-insert": 4, "mpshuffle-barrier": 1, "mpshuffle-extract": 3}
+    )
+    assert len(parts) == 3
+    pd.testing.assert_frame_equal(
+        _sorted(pd.concat(parts).reset_index(drop=True)), _sorted(pdf.reset_index(drop=True))
+    )
+    for j, p in enumerate(parts):
+        if len(p):
+            ids = partitioning_index(p[["k"]].astype(np.float64), 3, cast_dtype=None)
+            assert set(np.asarray(ids).tolist()) == {j}
+    _no_state_left(client)
+
+
 def test_alias_chain_and_reordered_partitions(client: Client) -> None:
     """``a.partitions[[3, 1]]`` aliases aliases of futures; order follows the selection."""
     pdf = _pdf()

@@ -333,7 +333,32 @@ class MPInsert(_Blockwise):  # type: ignore[misc, valid-type]
         from mpshuffle.dask.graph import insert
 
         # The spec comes from the shuffle's start task (graph.started): one root for all inserts.
-        return Task(name, insert, TaskRef((self.frame._name, index)), index, TaskRef(self.spec.start_name))
+        return Task(name, insert, TaskRef(self._input_key(index)), index, TaskRef(self.spec.start_name))
+
+    @functools.cached_property
+    def _persisted_keys(self) -> list[Any] | None:
+        """The keys a persisted input's partitions are held under, or ``None`` (see :meth:`_input_key`)."""
+        from dask.dataframe.dask_expr.io.io import FromGraph
+
+        frame = self.frame
+        if not isinstance(frame, FromGraph) or "keys" not in frame._parameters:
+            return None
+        keys = list(frame.operand("keys"))
+        return keys if len(keys) == frame.npartitions else None
+
+    def _input_key(self, index: int) -> Any:
+        """The key of input partition ``index`` that insert ``index`` reads.
+
+        A persisted collection enters an expression as Dask's ``FromGraph``,
+        whose partitions are named anew and point to the held results through
+        one ``Alias`` task each: a task per input partition for the
+        scheduler and the worker to run, which does nothing (the config line
+        on a persisted 60-partition frame ran 182 tasks instead of 122).
+        The inserts read the held keys themselves; the aliases then have no
+        dependent and the scheduler never runs them.
+        """
+        keys = self._persisted_keys
+        return keys[index] if keys is not None else (self.frame._name, index)
 
 
 class MPShuffle(_Lowered):  # type: ignore[misc, valid-type]
