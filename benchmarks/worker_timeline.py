@@ -16,7 +16,10 @@ progress thread, others), and prints:
 * per worker, the seconds its task thread computed in each phase and was
   idle (no task computing) before the last map-side task ended and after;
   min / median / max over the workers;
-* the CPU-seconds per GB of each thread group over all workers.
+* the CPU-seconds per GB of each thread group over all workers;
+* for mpshuffle, each worker's engine timings of the run
+  (``mpshuffle.dask.gather_statistics``): time in its inserts, of it waiting
+  for the chunks to be taken, waiting for data at extract, and extracting.
 
 Writes ``--out`` (JSON: every shuffle's figures, per worker). With many
 workers on one host this shows whether the wall time is the workers' own work
@@ -85,6 +88,14 @@ def _phases(stream: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any
     return {"map_end_s": map_end - t0, "workers": per_worker}
 
 
+def _engine_seconds(client: Client) -> dict[str, dict[str, float]]:
+    """Each worker's engine timings of its last finished shuffle (``mpshuffle.dask.gather_statistics``)."""
+    from mpshuffle.dask import gather_statistics
+
+    return {w: {k: v for k, v in runs[-1].items() if k.startswith("seconds_")}
+            for w, runs in gather_statistics(client).items() if runs}
+
+
 def _stats(values: list[float]) -> str:
     if not values:
         return "-"
@@ -124,6 +135,7 @@ def main() -> None:
                     t1 = time.time()
                 after = client.run(snapshot)
                 del out
+                engine = _engine_seconds(client) if method in ("config", "function") else {}
                 cpu: collections.Counter[str] = collections.Counter()
                 for w, threads in after.items():
                     for tid, (name, user, system) in threads.items():
@@ -132,7 +144,8 @@ def main() -> None:
                         cpu[f"{_group(name)} sys"] += (system - s0) / tick / gb
                 phases = _phases(ts.data, t0, t1)
                 run = {"method": method, "round": r, "seconds": t1 - t0, "mb_per_s": gb * 1e3 / (t1 - t0),
-                       "cpu_s_per_gb": dict(cpu), "load_average_1min": os.getloadavg()[0], **phases}
+                       "cpu_s_per_gb": dict(cpu), "load_average_1min": os.getloadavg()[0], **phases,
+                       "engine_seconds": engine}
                 runs.append(run)
                 ws = list(phases["workers"].values())
                 print(f"{method:8s} round {r}: {run['seconds']:.2f} s ({run['mb_per_s']:.0f} MB/s), map side ends at "
@@ -140,6 +153,9 @@ def main() -> None:
                       + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items()) if v >= 0.01), flush=True)
                 for field in ("busy_map_phase", "idle_map_phase", "busy_after", "idle_after"):
                     print(f"    per worker {field:15s} min/med/max {_stats([w[field] for w in ws])}")
+                for field in ("seconds_insert", "seconds_insert_wait", "seconds_wait", "seconds_extract"):
+                    if engine:
+                        print(f"    per worker {field:19s} min/med/max {_stats([w[field] for w in engine.values()])}")
                 time.sleep(1)
     Path(args.out).write_text(json.dumps({"args": vars(args), "gb": gb, "versions": {
         "dask": dask.__version__, "python": sys.version.split()[0]}, "runs": runs}, indent=1))

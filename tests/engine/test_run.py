@@ -70,7 +70,10 @@ def test_a_run_of_either_kind_goes_through_one_lifecycle(ctx: WorkerContext, kin
     # The other kind's mechanisms stay at 0.
     if kind == "host":
         assert stats["chunks_received"] > 0 and stats["rounds"] == 0
+        # The waits for the chunks to be taken are part of the insert's time.
+        assert 0 <= stats["seconds_insert_wait"] <= stats["seconds_insert"]
     else:
+        assert stats["seconds_insert_wait"] == 0
         assert stats["rounds"] == 1 and stats["chunks_received"] == 0
     with pytest.raises(PartitionGoneError, match="already finished"):
         ctx.shuffler(1, device=kind == "device")

@@ -201,11 +201,13 @@ class Shuffler(Run):
         table = _table_of(pieces)
         reservation = self.postbox.resource.reserve(MemoryType.HOST, table.nbytes)
         in_flight: dict[int, list[Any]] = {}
+        waited = 0.0
         try:
             for dest, ix in _batches(table, nranks, self._batch_bytes):
-                self._send_after(in_flight, dest, (input_index, attempt), table, ix, timeout)
+                waited += self._send_after(in_flight, dest, (input_index, attempt), table, ix, timeout)
             # One deadline for the last chunks: the error names every rank
             # that did not take its chunk, after one timeout at most.
+            t_wait = time.perf_counter()
             deadline, unsent = time.monotonic() + timeout, []
             for dest, futs in in_flight.items():
                 try:
@@ -215,6 +217,7 @@ class Shuffler(Run):
                     unsent.append(dest)
             if unsent:
                 self._raise_unsent(unsent, timeout)
+            waited += time.perf_counter() - t_wait
         except CommError as e:
             raise ShuffleError(f"sending a chunk of shuffle op {self.op_id} failed: {e}") from e
         finally:
@@ -222,20 +225,28 @@ class Shuffler(Run):
         with self._lock:
             self.statistics["bytes_inserted"] += int(table.size.sum())
             self.statistics["seconds_insert"] += time.perf_counter() - t0
+            self.statistics["seconds_insert_wait"] += waited
 
     def _send_after(
         self, in_flight: dict[int, list[Any]], dest: int, source: tuple[int, str],
         table: PieceTable, ix: npt.NDArray[np.int64], timeout: float,
-    ) -> None:
-        """Send a chunk to ``dest`` once fewer than :data:`IN_FLIGHT` chunks to ``dest`` are in flight."""
+    ) -> float:
+        """Send a chunk to ``dest`` once fewer than :data:`IN_FLIGHT` chunks to ``dest`` are in flight.
+
+        Returns the seconds it waited for that.
+        """
         futs = in_flight.setdefault(dest, [])
+        waited = 0.0
         if len(futs) >= IN_FLIGHT:
+            t0 = time.perf_counter()
             try:
                 futs.pop(0).result(timeout)
             except concurrent.futures.TimeoutError:
                 self._raise_unsent([dest], timeout)
+            waited = time.perf_counter() - t0
             self._raise_if_failed()
         futs.append(self._send_chunk(dest, source, table, ix))
+        return waited
 
     def _raise_unsent(self, dests: list[int], timeout: float) -> None:
         """Raise the timeout of sends that did not complete, naming the ranks that stopped reading.

@@ -47,7 +47,7 @@ STATISTICS: tuple[str, ...] = (
     "bytes_inserted", "bytes_sent", "bytes_received",
     "bytes_spilled_host", "bytes_spilled_disk", "bytes_unspilled_disk", "bytes_consolidated",
     "bytes_gathered", "chunks_sent", "chunks_received", "rounds",
-    "seconds_insert", "seconds_headers", "seconds_exchange", "seconds_consolidate",
+    "seconds_insert", "seconds_insert_wait", "seconds_headers", "seconds_exchange", "seconds_consolidate",
     "seconds_gather", "seconds_spill_host", "seconds_spill_disk", "seconds_unspill_disk",
     "seconds_wait", "seconds_extract",
 )
@@ -83,6 +83,10 @@ class Statistics(dict[str, float]):
         The device exchange's rounds, its header swap and its NCCL rounds.
     ``seconds_insert``, ``seconds_wait``, ``seconds_extract``
         Time in insert; waiting for the data at extract; handing it out.
+    ``seconds_insert_wait``
+        Of ``seconds_insert``, the time the host path's inserts waited for
+        their chunks to be taken by the receivers (back-pressure, and the
+        last chunks of each insert).
 
     Raises
     ------
