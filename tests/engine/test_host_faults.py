@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pandas as pd
 import pytest
 
-from mpshuffle.comm.base import Communicator, Frames, Tag
+from mpshuffle.comm.base import Communicator, Frames, SendFuture, Tag
 from mpshuffle.errors import ShuffleTimeoutError
 from mpshuffle.memory import BufferResource
 from mpshuffle.shuffler.host import Shuffler
@@ -50,11 +51,21 @@ class _Group(Communicator):
         self._stop_progress(self._thread, timeout=5)
 
 
-@pytest.fixture
-def ranks() -> Iterator[tuple[list[Shuffler], set[int], threading.Event]]:
+class _CopyingGroup(_Group):
+    """As :class:`_Group`, but a send copies its frames before returning, as a shared-memory file does."""
+
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> SendFuture:
+        fut = super().send_nowait(dest, tag, [bytes(memoryview(f)) for f in frames])
+        fut.copied = True
+        return fut
+
+
+@pytest.fixture(params=["waits", "copies"])
+def ranks(request: pytest.FixtureRequest) -> Iterator[tuple[list[Shuffler], set[int], threading.Event]]:
     nranks, frozen, thaw = 3, set[int](), threading.Event()
     group: list[_Group] = []
-    group.extend(_Group(r, nranks, group, frozen, thaw) for r in range(nranks))
+    kind = _CopyingGroup if request.param == "copies" else _Group
+    group.extend(kind(r, nranks, group, frozen, thaw) for r in range(nranks))
     shufflers = [Shuffler(c, 7, resource=BufferResource(), timeout=5, batch_bytes=64) for c in group]
     for c, s in zip(group, shufflers, strict=True):
         c.register_handler("mps", s.receive)
@@ -71,6 +82,7 @@ def _pieces(n: int, npartitions: int) -> dict[int, object]:
     return PandasAdapter().split(frame, ["k"], npartitions)
 
 
+@pytest.mark.parametrize("ranks", ["waits"], indirect=True)
 @pytest.mark.parametrize("batches", ["one-chunk", "several-chunks"])
 def test_a_send_that_does_not_complete_names_the_rank_that_stopped_reading(
     ranks: tuple[list[Shuffler], set[int], threading.Event], batches: str
@@ -95,6 +107,7 @@ def test_a_send_that_does_not_complete_names_the_rank_that_stopped_reading(
     assert elapsed < 0.3 * 2 + 1  # one wait, not one per chunk
 
 
+@pytest.mark.parametrize("ranks", ["waits"], indirect=True)
 def test_sends_to_every_rank_that_stopped_reading_are_named(
     ranks: tuple[list[Shuffler], set[int], threading.Event],
 ) -> None:
@@ -121,3 +134,51 @@ def test_healthy_ranks_shuffle_exactly(ranks: tuple[list[Shuffler], set[int], th
     for j in range(6):
         rows.extend(adapter.unpack(shufflers[j % 3].extract(j), frame.iloc[:0])["v"].tolist())
     assert sorted(rows) == list(range(90))
+
+
+def test_copied_sends_stay_in_flight_across_inserts_within_the_bound(
+    ranks: tuple[list[Shuffler], set[int], threading.Event],
+) -> None:
+    """A chunk the transport copied is not waited for at the end of its insert, but counts for the next ones.
+
+    Rank 2 stops reading. With one chunk per destination and insert, the
+    first two inserts return (their chunks to rank 2 were copied, so their
+    pieces are free); the third finds :data:`IN_FLIGHT` chunks to rank 2
+    still untaken and times out naming rank 2. A transport that reads the
+    caller's buffers makes the first insert wait and time out instead.
+    """
+    from mpshuffle.shuffler.host import IN_FLIGHT
+
+    shufflers, frozen, _ = ranks
+    frozen.add(2)
+    s = shufflers[1]
+    s._batch_bytes = 1 << 30
+    s.timeout = 0.3
+    copies = isinstance(s.comm, _CopyingGroup)
+    pieces = _pieces(6, 6)
+    assert {2, 5} & set(pieces)
+    returned = 0
+    with pytest.raises(ShuffleTimeoutError) as info:
+        for i in range(IN_FLIGHT + 1):
+            s.insert(i, _pieces(6, 6))
+            returned += 1
+    assert returned == (IN_FLIGHT if copies else 0)
+    assert info.value.missing == (2,)
+    assert "rank 2 (mem://2) did not take a chunk from rank 1 within 0.3 s" in str(info.value)
+
+
+def test_copied_sends_drain_and_rows_arrive_once(ranks: tuple[list[Shuffler], set[int], threading.Event]) -> None:
+    """Healthy ranks with inserts that return before their chunks are taken: every row arrives once."""
+    shufflers, _, _ = ranks
+    adapter = PandasAdapter()
+    frame = pd.DataFrame({"k": range(300), "v": range(300)})
+    for i in range(10):
+        part = frame.iloc[i * 30 : (i + 1) * 30]
+        shufflers[i % 3].insert(i, adapter.split(part, ["k"], 6))
+    shufflers[0].barrier(6)
+    rows = []
+    for j in range(6):
+        rows.extend(adapter.unpack(shufflers[j % 3].extract(j), frame.iloc[:0])["v"].tolist())
+    assert sorted(rows) == list(range(300))
+    for s in shufflers:
+        assert all(f.done() and f.exception() is None for d in s._copied_in_flight.values() for f in d)

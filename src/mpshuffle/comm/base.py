@@ -27,13 +27,30 @@ from typing import Any
 
 from mpshuffle.errors import CommError, CommTimeoutError
 
-__all__ = ["Communicator", "Frames", "Handler", "Tag"]
+__all__ = ["Communicator", "Frames", "Handler", "SendFuture", "Tag"]
 
 logger = logging.getLogger(__name__)
 
 Tag = tuple[Any, ...]
 Frames = list[Any]
 Handler = Callable[[int, Tag, Frames], None]
+
+
+class SendFuture(concurrent.futures.Future[None]):
+    """The future of :meth:`Communicator.send_nowait`: it ends once the message is handed to the transport.
+
+    Attributes
+    ----------
+    copied
+        ``True`` where the transport copied the message's bytes out of the
+        caller's buffers before ``send_nowait`` returned (a shared-memory
+        file between ranks of one host): the caller may then reuse or drop
+        its buffers at once, and the future only tells when the receiver took
+        the message. ``False`` (the default) where the transport still reads
+        the caller's buffers until the future ends.
+    """
+
+    copied: bool = False
 
 
 class Communicator(abc.ABC):
@@ -257,8 +274,8 @@ class Communicator(abc.ABC):
         """Blocking twin of :meth:`asend`; not callable on the progress thread."""
         self._run_sync(self._send_checked(dest, tag, list(frames)), timeout)
 
-    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> concurrent.futures.Future[None]:
-        """Start sending and return a :class:`concurrent.futures.Future` at once.
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> SendFuture:
+        """Start sending and return a :class:`SendFuture` (a :class:`concurrent.futures.Future`) at once.
 
         Messages to the same ``dest`` started from one thread are delivered in
         the order they were started. The future always ends: with ``None``
@@ -267,7 +284,7 @@ class Communicator(abc.ABC):
         communicator closed before the message left). A failure that nobody
         may be waiting for is logged, so no message goes unsent silently.
         """
-        fut = self._submit(self._send_checked(dest, tag, list(frames)), f"send {tag!r} to rank {dest}")
+        fut = self._submit(self._send_checked(dest, tag, list(frames)), f"send {tag!r} to rank {dest}", SendFuture())
         fut.add_done_callback(functools.partial(self._report_unsent, dest, tag))
         return fut
 
@@ -356,15 +373,18 @@ class Communicator(abc.ABC):
         return f"barrier {name!r}: {who} did not arrive within {timeout:g} s"
 
     # -- running coroutines on the progress thread -----------------------
-    def _submit(self, coro: Coroutine[Any, Any, Any], what: str) -> concurrent.futures.Future[Any]:
-        """Run ``coro`` on the progress thread; the returned future always ends.
+    def _submit(
+        self, coro: Coroutine[Any, Any, Any], what: str, outer: Any = None
+    ) -> Any:
+        """Run ``coro`` on the progress thread; the returned future (``outer``, or a new one) always ends.
 
         ``what`` describes the work for the error of a closed communicator.
         Unlike :func:`asyncio.run_coroutine_threadsafe`, work that the loop
         never starts (it stopped in between) is not lost: :meth:`_stop_progress`
         fails its future and closes the coroutine.
         """
-        outer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if outer is None:
+            outer = concurrent.futures.Future()
         with self._lock:
             if not self._accepting:
                 coro.close()

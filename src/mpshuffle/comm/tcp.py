@@ -55,7 +55,7 @@ from tornado.iostream import StreamClosedError
 
 from mpshuffle.comm import _shm
 from mpshuffle.comm._read_budget import ReadBudget
-from mpshuffle.comm.base import Communicator, Frames, Tag
+from mpshuffle.comm.base import Communicator, Frames, SendFuture, Tag
 from mpshuffle.errors import CommError, CommTimeoutError
 
 __all__ = ["TcpCommunicator"]
@@ -560,7 +560,7 @@ class TcpCommunicator(Communicator):
             return None
         return rank
 
-    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> Any:
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> SendFuture:
         """Start sending, as :meth:`Communicator.send_nowait`.
 
         To a rank of the same host (and at least
@@ -568,10 +568,12 @@ class TcpCommunicator(Communicator):
         to a shared-memory file in the calling thread; the returned future
         completes once the receiver has taken the message. If writing the
         file fails (``/dev/shm`` full), this and later messages to ``dest``
-        go over the socket.
+        go over the socket. The returned future's ``copied`` says whether the
+        frames went into such a file (see :class:`~mpshuffle.comm.base.SendFuture`).
         """
         frames = list(frames)
         files = self._shm
+        copied = False
         if files is not None and dest in self._shm_peers and dest not in self._lost:
             nbytes = sum(memoryview(f).nbytes for f in frames)
             if nbytes >= _shm.MIN_BYTES:
@@ -585,7 +587,10 @@ class TcpCommunicator(Communicator):
                     self._shm_peers.discard(dest)
                 else:
                     frames = [_ShmMessage(path, sizes, nbytes)]
-        return super().send_nowait(dest, tag, frames)
+                    copied = True
+        fut = super().send_nowait(dest, tag, frames)
+        fut.copied = copied
+        return fut
 
     async def _send(self, dest: int, tag: Tag, frames: Frames) -> None:
         if len(frames) == 1 and isinstance(frames[0], _ShmMessage):
