@@ -27,13 +27,13 @@ W2="--workers 2 --partitions 60 --rows 800000 --memory-limit 8"
 for step in "$@"; do
   echo "=== $step $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
   case $step in
-    fill) for v in after before chunk4; do PYTHONPATH=$(src $v) python3 -c \
+    fill) for v in ${FILL:-after before chunk4}; do PYTHONPATH=$(src $v) python3 -c \
             "from mpshuffle.table.warm import warm_up; print('$v warm-up s', round(warm_up(), 2))"; done ;;
     timeline16) PYTHONPATH=$(src after) timeout 500 python3 benchmarks/worker_timeline.py $W16 --repeats 2 \
-            --methods config p2p tasks --out "$OUT/worker_timeline-h100-16w-s19.json" 2>&1 | quiet | tail -40 ;;
+            --methods ${TL_METHODS:-config p2p tasks} --out "$OUT/worker_timeline-h100-16w-s19${TL_SUFFIX:-}.json" 2>&1 | quiet | tail -40 ;;
     timeline2) PYTHONPATH=$(src after) timeout 300 python3 benchmarks/worker_timeline.py $W2 --repeats 2 \
             --methods config function --out "$OUT/worker_timeline-h100-2w-s19.json" 2>&1 | quiet | tail -24 ;;
-    ab16) for r in 1 2; do for v in before after chunk4; do
+    ab16) for r in $(seq 1 ${AB_ROUNDS:-2}); do for v in ${AB_VARIANTS:-before after chunk4}; do
            bench $v config_line-h100-16w-s19-ab$r $W16 --repeats 2 --methods config; done; done ;;
     ab2) for r in 1 2; do for v in before after; do
            bench $v config_line-h100-2w-s19-ab$r $W2 --repeats 3 --methods config function; done; done ;;
