@@ -675,3 +675,32 @@ def test_popped_tables_carry_their_frames_addresses(tmp_path: Any) -> None:
     assert small.bytes_spilled > 0 and got.bases is None
     assert [np.frombuffer(g.data, np.int64).tolist() for g in got] == [list(range(5)), list(range(50))]
     small.clear()
+
+
+def test_filing_chunks_holds_little_more_than_the_filed_arrays(tmp_path: Any) -> None:
+    """The first pop files every chunk at once: it makes the segment at its final dtypes and fills it chunk
+    by chunk, instead of expanding every chunk's arrays to int64 at once (~4.7x the segment before)."""
+    import tracemalloc
+
+    box = Postbox(BufferResource({}, spill_dir=str(tmp_path)), "filing")
+    nchunks, per = 200, 1000
+    frame = np.zeros(per * 240, np.uint8)
+    sizes = np.full(per, 240, np.int64)
+    for c in range(nchunks):
+        box.add_chunk(Chunk(c, "a", 0, 0, pids=np.arange(per) * 2 + c % 2, nrows=np.full(per, 10),
+                            meta_of=np.zeros(per, np.int64), frame_of=np.zeros(per, np.int64),
+                            offset=np.cumsum(sizes) - sizes, size=sizes, metas=[b"m"], frames=[frame]))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        table = box.pop(0)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert len(table) == nchunks // 2
+    segments = {id(s): s for entries in box._where.values() for s, _ in entries}
+    (segment,) = segments.values()
+    filed = sum(getattr(segment, k).nbytes for k in segment.__slots__)
+    assert peak < 2.5 * filed, (peak, filed)
+    box.clear()
