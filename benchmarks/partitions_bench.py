@@ -17,7 +17,8 @@ Per run: seconds from
 submitting until the output is persisted, the peak of the cluster's memory
 (the largest sum over the workers of one RSS sample, every 20 ms; also
 less their sum before the run, which favours a method that runs after
-another has grown the workers), the CPU seconds of the workers and of this
+another has grown the workers), the sum once the output is released
+(``retained_bytes``: that less the sum before), the CPU seconds of the workers and of this
 process (client and scheduler), and the seconds to build and materialize
 the optimized graph on the client. A method whose run took more than
 ``--max-seconds`` is not run at larger sizes (its slope would only say the
@@ -152,6 +153,7 @@ def run_once(client: Client, method: str, n: int, rows: int) -> dict[str, Any]:
             "graph_seconds": graph_seconds, "graph_tasks": len(graph),
             "peak_bytes": sampler.peak - idle, "peak_rss_bytes": sampler.peak, "idle_rss_bytes": idle,
             "worker_cpu_seconds": cpu1 - cpu0, "client_scheduler_cpu_seconds": main1 - main0,
+            **_after(client, pids, idle),
         }
     with dask.config.set({"dataframe.shuffle.method": method}):
         t0 = time.perf_counter()
@@ -167,7 +169,7 @@ def run_once(client: Client, method: str, n: int, rows: int) -> dict[str, Any]:
             seconds = time.perf_counter() - t1
         cpu1, main1 = _cpu(pids), time.process_time()
         nrows = int(persisted.map_partitions(len).sum().compute())
-        del persisted
+        del persisted, out, df
     if nrows != n * rows:
         raise AssertionError(f"{method} at {n}: {nrows} rows out, {n * rows} in")
     return {
@@ -176,7 +178,16 @@ def run_once(client: Client, method: str, n: int, rows: int) -> dict[str, Any]:
         "peak_bytes": sampler.peak - idle, "peak_rss_bytes": sampler.peak, "idle_rss_bytes": idle,
         "worker_cpu_seconds": cpu1 - cpu0,
         "client_scheduler_cpu_seconds": main1 - main0,
+        **_after(client, pids, idle),
     }
+
+
+def _after(client: Client, pids: list[int], idle: int) -> dict[str, int]:
+    """The workers' RSS once the output is released (and collected): what the run left above idle."""
+    client.run(__import__("gc").collect)
+    time.sleep(1.0)
+    after = _rss(pids)
+    return {"after_rss_bytes": after, "retained_bytes": after - idle}
 
 
 def slope(runs: list[dict[str, Any]], key: str) -> float | None:

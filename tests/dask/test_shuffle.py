@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 from distributed import Client, wait
 
-from conftest import worker_state
+from conftest import wait_for, worker_state
 from mpshuffle.dask import shuffle, shuffle_graph
 from mpshuffle.table import partition_ids
 
@@ -100,6 +100,42 @@ def test_extracts_run_on_owner_and_state_is_freed(client: Client) -> None:
     state = client.run(worker_state)
     assert all(s["shufflers"] == [] for s in state.values())
     assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.plugins["mpshuffle"].runs)) == 0
+
+
+def _live_run_state(dask_worker) -> dict:  # type: ignore[no-untyped-def]
+    """The run objects alive on a worker (after a collection) and what its context still holds."""
+    import gc
+
+    from mpshuffle.memory.packed import PieceTable
+    from mpshuffle.memory.postbox import Chunk, Postbox, _Segment
+    from mpshuffle.memory.resource import MemoryType
+    from mpshuffle.shuffler.host import Shuffler
+
+    gc.collect()
+    kinds = (Shuffler, Postbox, Chunk, PieceTable, _Segment)
+    live = sorted(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))
+    plugin = dask_worker.plugins["mpshuffle"]
+    ctx = plugin.context
+    return {"live": live, "shufflers": dict(ctx.shufflers), "runs": dict(plugin.runs),
+            "host": ctx.resource.used(MemoryType.HOST), "pool": ctx.pool.idle_bytes}
+
+
+def test_a_finished_shuffle_leaves_none_of_its_state_on_the_workers(client: Client) -> None:
+    """Through the config line, many partitions of small pieces: once the output is computed and released,
+    no run, postbox, chunk, piece table or filed segment of it is alive on any worker, and nothing is
+    reserved or pooled."""
+    pdf = pd.DataFrame({"k": np.arange(40_000) * 7919 % 10_007, "v": np.arange(40_000)})
+    df = dd.from_pandas(pdf, npartitions=40)
+    with dask.config.set({"dataframe.shuffle.method": "mpshuffle"}):
+        out = df.shuffle("k", npartitions=200).persist()
+    wait(out)
+    got = out.compute()
+    pd.testing.assert_frame_equal(got.sort_index(), pdf)
+    del out, got
+    wait_for(lambda: all(not s["runs"] and not s["live"] for s in client.run(_live_run_state).values()),
+             "the run's state to go")
+    for state in client.run(_live_run_state).values():
+        assert state == {"live": [], "shufflers": {}, "runs": {}, "host": 0, "pool": 0}
 
 
 def test_pyarrow_collection_through_shuffle_graph(client: Client) -> None:

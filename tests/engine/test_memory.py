@@ -675,3 +675,110 @@ def test_popped_tables_carry_their_frames_addresses(tmp_path: Any) -> None:
     assert small.bytes_spilled > 0 and got.bases is None
     assert [np.frombuffer(g.data, np.int64).tolist() for g in got] == [list(range(5)), list(range(50))]
     small.clear()
+
+
+def _private_pages(npages: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Private anonymous memory of ``npages`` pages as a writable uint8 array (madvise(DONTNEED) zeroes it)."""
+    mapping = mmap.mmap(-1, npages * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mapping, np.frombuffer(mapping, np.uint8)
+
+
+def test_pages_shared_by_pieces_of_many_partitions_go_once_the_last_of_them_is_released(tmp_path: Any) -> None:
+    """A given chunk of small pieces: partition 0 alone in its first part, partitions 1 and 2 in turn after.
+    After each pop and release, a page given back had no piece left that is not popped, the pieces not popped
+    are intact, and a page the frame shares with memory outside it never goes; in the end every page
+    wholly inside the frame went back."""
+    page = mmap.PAGESIZE
+    npages = 40
+    mapping, memory = _private_pages(npages)
+    values = (np.arange(len(memory)) % 251 + 1).astype(np.uint8)
+    memory[:] = values
+    lo, hi = 100, (npages - 1) * page + 50  # the frame: its first and last pages are partly outside it
+    size = 200
+    offsets = np.arange(0, hi - lo - size + 1, size)
+    pids = np.where(offsets < 16 * page, 0, 1 + np.arange(len(offsets)) % 2)
+    res = BufferResource({}, spill_dir=str(tmp_path))
+    box = Postbox(res, "edges")
+    box.add_chunk(Chunk(0, "a", 0, 0, pids=pids, nrows=np.ones(len(pids), np.int64),
+                        meta_of=np.zeros(len(pids), np.int64), frame_of=np.zeros(len(pids), np.int64),
+                        offset=offsets, size=np.full(len(pids), size), metas=[b"m"], frames=[memory[lo:hi]],
+                        given=True))
+    popped = np.zeros(len(pids), bool)
+    freed = np.zeros(npages, bool)
+    for p in range(3):
+        table = box.pop(p)
+        assert [bytes(x.data) for x in table] == [values[lo + o : lo + o + size].tobytes() for o in offsets[pids == p]]
+        popped |= pids == p
+        released = table.release_pages()
+        assert table.release_pages() == 0  # once
+        zero = (memory.reshape(npages, page) == 0).all(axis=1)
+        assert released == int((zero & ~freed).sum()) * page
+        freed = zero
+        starts, ends = lo + offsets[~popped], lo + offsets[~popped] + size
+        for q in np.flatnonzero(freed).tolist():
+            assert 1 <= q < npages - 1  # inside the frame
+            assert not ((starts < (q + 1) * page) & (ends > q * page)).any()  # no piece left on it
+        for o in offsets[~popped].tolist():
+            assert (memory[lo + o : lo + o + size] == values[lo + o : lo + o + size]).all()
+        if p == 0:
+            assert released >= 8 * page  # partition 0's own pages went back
+    assert freed[1:-1].all() and not freed[0] and not freed[-1]
+    assert (memory[:page] == values[:page]).all() and (memory[-page:] == values[-page:]).all()
+    del table
+    box.clear()
+    # A chunk not given keeps its memory whole.
+    memory[:] = values
+    box.add_chunk(Chunk(0, "a", 0, 0, pids=pids, nrows=np.ones(len(pids), np.int64),
+                        meta_of=np.zeros(len(pids), np.int64), frame_of=np.zeros(len(pids), np.int64),
+                        offset=offsets, size=np.full(len(pids), size), metas=[b"m"], frames=[memory[lo:hi]]))
+    for p in range(3):
+        table = box.pop(p)
+        assert table.give_back is None and table.release_pages() == 0
+    assert (memory == values).all()
+    del table, memory
+    box.clear()
+    mapping.close()
+
+
+def test_a_table_popped_before_a_clear_gives_nothing_back_after_it(tmp_path: Any) -> None:
+    """The postbox's page counts start again at a clear: an older table's release must not touch them."""
+    mapping, memory = _private_pages(4)
+    memory[:] = 7
+    box = Postbox(BufferResource({}, spill_dir=str(tmp_path)), "epoch")
+    sizes = np.full(2, 2 * mmap.PAGESIZE)
+    box.add_chunk(Chunk(0, "a", 0, 0, pids=[0, 1], nrows=[1, 1], meta_of=[0, 0], frame_of=[0, 0],
+                        offset=[0, 2 * mmap.PAGESIZE], size=sizes, metas=[b"m"], frames=[memory], given=True))
+    table = box.pop(0)
+    box.clear()
+    assert table.release_pages() == 0 and (memory == 7).all()
+    del table, memory
+    mapping.close()
+
+
+def test_filing_chunks_holds_little_more_than_the_filed_arrays(tmp_path: Any) -> None:
+    """The first pop files every chunk at once: it makes the segment at its final dtypes and fills it chunk
+    by chunk, instead of expanding every chunk's arrays to int64 at once (~4.7x the segment before)."""
+    import tracemalloc
+
+    box = Postbox(BufferResource({}, spill_dir=str(tmp_path)), "filing")
+    nchunks, per = 200, 1000
+    frame = np.zeros(per * 240, np.uint8)
+    sizes = np.full(per, 240, np.int64)
+    for c in range(nchunks):
+        box.add_chunk(Chunk(c, "a", 0, 0, pids=np.arange(per) * 2 + c % 2, nrows=np.full(per, 10),
+                            meta_of=np.zeros(per, np.int64), frame_of=np.zeros(per, np.int64),
+                            offset=np.cumsum(sizes) - sizes, size=sizes, metas=[b"m"], frames=[frame]))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        table = box.pop(0)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert len(table) == nchunks // 2
+    segments = {id(s): s for entries in box._where.values() for s, _ in entries}
+    (segment,) = segments.values()
+    filed = sum(getattr(segment, k).nbytes for k in segment.__slots__)
+    assert peak < 2.5 * filed, (peak, filed)
+    box.clear()

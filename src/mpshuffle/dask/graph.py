@@ -571,9 +571,9 @@ def extract(run: RunInfo, partition_id: int, spec: ShuffleSpec, adapter: FrameAd
             out = adapter.unpack(pieces, spec.meta, on_lossy_cast=spec.on_lossy_cast)
         else:
             out = adapter.unpack(pieces, spec.meta)
-    if adapter.copies_pieces and isinstance(pieces, PieceTable):
-        # The result holds none of the pieces' bytes: their received shared
-        # memory goes now, not at this rank's last extract.
+    if isinstance(pieces, PieceTable) and (adapter.copies_pieces or pieces.copied):
+        # The result holds none of the pieces' bytes: their received memory
+        # goes now, not at this rank's last extract.
         pieces.release_pages()
     runtime.extracted(run, ctx)
     return out

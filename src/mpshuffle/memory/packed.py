@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -198,7 +198,10 @@ class PieceTable(Sequence[PackedData]):
         range, or a byte range lies outside its buffer.
     """
 
-    __slots__ = ("bases", "buffer_of", "buffers", "mapped", "meta_of", "metas", "nrows", "offset", "pids", "size")
+    __slots__ = (
+        "bases", "buffer_of", "buffers", "copied", "give_back", "mapped", "meta_of", "metas", "nrows", "offset", "pids",
+        "size",
+    )
 
     def __init__(
         self, *, pids: npt.ArrayLike, nrows: npt.ArrayLike, meta_of: npt.ArrayLike, metas: Sequence[bytes],
@@ -220,6 +223,17 @@ class PieceTable(Sequence[PackedData]):
         #: Each buffer's address (``uint64``) where the maker knew them, else
         #: ``None`` (:attr:`address` asks the buffers).
         self.bases: npt.NDArray[np.uint64] | None = None
+        #: Where the maker can give back the pages of these pieces once they
+        #: are copied (the :class:`~mpshuffle.memory.postbox.Postbox`: pages
+        #: shared with pieces of other partitions included, as the last of
+        #: them goes), a function returning the bytes given back; else
+        #: ``None``. See :meth:`release_pages`.
+        self.give_back: Callable[[], int] | None = None
+        #: Set by a reader that copied every byte of every piece into buffers
+        #: of its own (:func:`~mpshuffle.table._columns.gather`), so that what
+        #: it made holds no view of them: the extract task may then
+        #: :meth:`release_pages`.
+        self.copied = False
         n = len(self.pids)
         if not all(len(a) == n for a in (self.nrows, self.meta_of, self.buffer_of, self.offset, self.size)):
             raise ValueError("a PieceTable's arrays (pids, nrows, meta_of, buffer_of, offset, size) differ in length")
@@ -250,6 +264,8 @@ class PieceTable(Sequence[PackedData]):
         table.buffer_of, table.offset, table.size, table.buffers = buffer_of, offset, size, buffers
         table.mapped = mapped
         table.bases = bases
+        table.give_back = None
+        table.copied = False
         return table
 
     @classmethod
@@ -344,25 +360,35 @@ class PieceTable(Sequence[PackedData]):
         self.mapped = None
 
     def release_pages(self) -> int:
-        """Give the whole memory pages inside the pieces that lie in received shared-memory messages back to the OS.
+        """Give the memory pages of pieces that lie in received messages back to the OS.
 
         For a consumer that has copied every byte it needs out of the pieces
-        (a rechunk's extract: :attr:`~mpshuffle.table.base.FrameAdapter.copies_pieces`)
-        and will not read them again: a received message's pages were freed
+        (a rechunk's extract: :attr:`~mpshuffle.table.base.FrameAdapter.copies_pieces`;
+        a frame gathered into new buffers, :attr:`copied`) and will not read
+        them again: a received message's pages were freed
         only when every piece of it was gone, and a message holds pieces of
         all the partitions its receiver owns, so a rank held every message
-        it received until its last extract. ``madvise(MADV_REMOVE)`` on each
-        piece's whole pages (a page shared with a neighbouring piece stays)
-        frees them now. Pieces in other memory (pooled, heap, read back from
-        disk, an input block) are left alone. Afterwards the released bytes
-        read as zeros; the table forgets its mappings, so a second call does
-        nothing.
+        it received until its last extract. Where the table came from a
+        :class:`~mpshuffle.memory.postbox.Postbox` (:attr:`give_back`), the
+        postbox gives back every page that only given-back pieces used:
+        inside a piece at once, a page shared with pieces of other
+        partitions once the last of them is given back (with thousands of
+        partitions a piece is a few bytes, so most pages are shared), in
+        shared-memory messages and in memory the message was received or
+        packed into. Otherwise ``madvise(MADV_REMOVE)`` on each piece's whole
+        pages in shared-memory messages (a page shared with a neighbouring
+        piece stays); pieces in other memory are left alone. Afterwards the
+        released bytes read as zeros; a second call does nothing.
 
         Returns
         -------
         int
             Bytes given back.
         """
+        give_back, self.give_back = self.give_back, None
+        if give_back is not None:
+            self.mapped = None
+            return give_back()
         mapped, self.mapped = self.mapped, None
         if not mapped or not len(self.pids) or not hasattr(mmap, "MADV_REMOVE"):
             return 0

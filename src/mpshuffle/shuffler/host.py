@@ -168,9 +168,12 @@ class Shuffler(Run):
         pieces = adapter.split_for(
             frame, list(on), npartitions, ids, rank=self.comm.rank, nranks=self.comm.nranks, pool=self.pool
         )
-        self.insert(input_index, pieces, attempt=attempt)
+        # pack's pieces lie in memory made for them, which nothing here holds after the call.
+        self.insert(input_index, pieces, attempt=attempt, given=isinstance(pieces, PackedPieces))
 
-    def insert(self, input_index: int, pieces: Mapping[int, PackedData], attempt: str = "") -> None:
+    def insert(
+        self, input_index: int, pieces: Mapping[int, PackedData], attempt: str = "", *, given: bool = False
+    ) -> None:
         """Send the pieces of one input partition to their owners.
 
         Back-pressure: at most :data:`IN_FLIGHT` chunks (about ``batch_bytes``
@@ -203,6 +206,12 @@ class Shuffler(Run):
             the others' pieces.
         pieces
             Output partition id -> packed piece of that partition.
+        given
+            Whether the pieces' memory is handed over: nothing but the run
+            reads or writes it after the call (pieces packed for this call
+            alone). Then the receivers may give the pages of extracted
+            pieces back before the last piece of their chunk is extracted
+            (:class:`~mpshuffle.memory.postbox.Chunk`'s ``given``).
 
         Raises
         ------
@@ -220,7 +229,7 @@ class Shuffler(Run):
         waited = 0.0
         try:
             for dest, ix in _batches(table, nranks, self._batch_bytes):
-                waited += self._send_after(in_flight, dest, (input_index, attempt), table, ix, timeout)
+                waited += self._send_after(in_flight, dest, (input_index, attempt, given), table, ix, timeout)
             # One deadline for the last chunks: the error names every rank
             # that did not take its chunk, after one timeout at most.
             t_wait = time.perf_counter()
@@ -251,7 +260,7 @@ class Shuffler(Run):
             self.statistics["seconds_insert_wait"] += waited
 
     def _send_after(
-        self, in_flight: dict[int, list[Any]], dest: int, source: tuple[int, str],
+        self, in_flight: dict[int, list[Any]], dest: int, source: tuple[int, str, bool],
         table: PieceTable, ix: npt.NDArray[np.int64], timeout: float,
     ) -> float:
         """Send a chunk to ``dest`` once fewer than :data:`IN_FLIGHT` chunks to ``dest`` are in flight.
@@ -297,10 +306,10 @@ class Shuffler(Run):
         )
 
     def _send_chunk(
-        self, dest: int, source: tuple[int, str], table: PieceTable, ix: npt.NDArray[np.int64]
+        self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64]
     ) -> Any:
-        input_index, attempt = source
-        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix)
+        input_index, attempt, given = source
+        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix, given=given)
         self._seq += len(ix)
         with self._lock:
             self._sent[dest] += 1
@@ -602,9 +611,12 @@ def _chunk_bytes(nbytes: int, batch_bytes: int) -> int:
 
 
 def _chunk_frames(
-    input_index: int, attempt: str, seq: int, table: PieceTable, ix: npt.NDArray[np.int64]
+    input_index: int, attempt: str, seq: int, table: PieceTable, ix: npt.NDArray[np.int64], *, given: bool = False
 ) -> tuple[list[Any], int]:
-    """The frames of one chunk of pieces ``ix`` of ``table`` (see the module docstring) and its data bytes."""
+    """The frames of one chunk of pieces ``ix`` of ``table`` (see the module docstring) and its data bytes.
+
+    ``given``: the data frames' memory is handed over (see :meth:`Shuffler.insert`).
+    """
     n = len(ix)
     meta_of: npt.NDArray[Any]
     if len(table.metas) == 1:
@@ -635,6 +647,7 @@ def _chunk_frames(
     header = msgpack.packb({
         "input": input_index, "attempt": attempt, "seq": seq, "metas": len(meta_frames),
         "pieces": compact_pieces(table.pids[ix], table.nrows[ix], meta_of, frame_of, offset, size),
+        **({"given": True} if given else {}),
     })
     return [header, *meta_frames, *data_frames], int(size.sum())
 
@@ -646,5 +659,5 @@ def _received_chunk(src: int, frames: Frames) -> Chunk:
     return Chunk.received(
         header["input"], header["attempt"], src, header["seq"], pieces=header["pieces"],
         metas=[bytes(f) for f in frames[1 : 1 + nmetas]],
-        frames=frames[1 + nmetas :],
+        frames=frames[1 + nmetas :], given=header.get("given", False),
     )

@@ -996,4 +996,6 @@ def gather(pieces: Sequence[PackedData]) -> tuple[pa.Table, list[Any] | None, li
             buffers = [validity, pa.py_buffer(offsets), pa.py_buffer(second)]
         arrays.append(pa.Array.from_buffers(schema0.field(field).type, total, buffers))
     distinct = list({id(schema): schema for _, schema in parsed if schema is not None}.values())
+    if isinstance(pieces, PieceTable):
+        pieces.copied = True  # the table's buffers are all in the new block
     return pa.Table.from_arrays(arrays, schema=schema0), desc0["names"], distinct
