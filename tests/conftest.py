@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -116,3 +117,19 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30) -> An
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def three_worker_client() -> Iterator[Client]:
+    """A client of a fresh, bootstrapped LocalCluster of 3 worker processes (one to lose, two to go on).
+
+    Each worker runs under a nanny, which may restart a killed worker.
+    """
+    from mpshuffle.dask import bootstrap_dask_cluster
+
+    with LocalCluster(
+        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
+    ) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3, timeout=60)
+        bootstrap_dask_cluster(client, timeout=10)
+        yield client

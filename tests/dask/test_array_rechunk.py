@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import sys
@@ -18,7 +17,7 @@ import pytest
 from dask.callbacks import Callback
 from distributed import Client, LocalCluster
 
-from conftest import worker_state
+from conftest import three_worker_client, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph
 from mpshuffle.dask import rechunk as rechunk_module
 from mpshuffle.dask.method import UnsupportedDaskError
@@ -371,17 +370,6 @@ def _hold(block: np.ndarray, event: str, block_info: Any = None) -> np.ndarray:
     return block
 
 
-@contextlib.contextmanager
-def _three_worker_cluster() -> Iterator[Client]:
-    """A bootstrapped LocalCluster of 3 worker processes (one to lose, two to go on)."""
-    with LocalCluster(
-        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
-    ) as cluster, Client(cluster) as client:
-        client.wait_for_workers(3, timeout=60)
-        bootstrap_dask_cluster(client, timeout=10)
-        yield client
-
-
 def test_lost_worker_mid_insert_computes_the_rechunk_again() -> None:
     import signal
     import time
@@ -389,7 +377,7 @@ def test_lost_worker_mid_insert_computes_the_rechunk_again() -> None:
 
     from distributed import Event
 
-    with _three_worker_cluster() as client:
+    with three_worker_client() as client:
         go = f"go-{uuid.uuid4().hex[:8]}"
         values = np.arange(6 * 8 * 8, dtype="f8").reshape(6, 8, 8)
         x = da.from_array(values, chunks=(1, 8, 8)).map_blocks(_hold, go, dtype="f8")
@@ -415,7 +403,7 @@ def test_grouped_inserts_after_their_holder_is_lost() -> None:
 
     from distributed import wait
 
-    with _three_worker_cluster() as client:
+    with three_worker_client() as client:
         values = np.arange(12 * 8 * 8, dtype="f8").reshape(12, 8, 8)
         x = da.from_array(values, chunks=(1, 8, 8)).persist()
         wait(x)

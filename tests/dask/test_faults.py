@@ -27,8 +27,8 @@ import pandas as pd
 import pytest
 from distributed import Client, Event, LocalCluster, rejoin, secede
 
+from conftest import three_worker_client, worker_state
 from conftest import wait_for as _wait_for
-from conftest import worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, shuffle
 from mpshuffle.errors import BootstrapError
 
@@ -281,11 +281,7 @@ def client3() -> Iterator[Client]:
     Each worker runs under a nanny, which may restart a killed worker; the
     tests hold whether or not it does.
     """
-    with LocalCluster(
-        n_workers=3, threads_per_worker=1, processes=True, dashboard_address=":0", memory_limit="2GiB"
-    ) as cluster, Client(cluster) as c:
-        c.wait_for_workers(3, timeout=60)
-        bootstrap_dask_cluster(c, timeout=10)
+    with three_worker_client() as c:
         yield c
 
 
