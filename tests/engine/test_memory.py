@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import mmap
 import os
@@ -13,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 from mpshuffle.comm import LocalCommunicator
+from mpshuffle.comm.base import SendFuture
 from mpshuffle.errors import MPShuffleError, ShuffleError, SpillError
 from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
@@ -262,8 +262,8 @@ def test_spill_directory_roundtrip_and_unwritable_dir(tmp_path: Any) -> None:
 # -- back-pressure ---------------------------------------------------------
 
 
-class _LazyFuture(concurrent.futures.Future):  # type: ignore[type-arg]
-    """A send that completes only when someone waits for it."""
+class _LazyFuture(SendFuture):
+    """A send that completes only when someone waits for it (the transport reads the caller's buffers)."""
 
     def __init__(self, comm: _RecordingComm, dest: int) -> None:
         super().__init__()

@@ -341,10 +341,7 @@ class MPInsert(_Blockwise):  # type: ignore[misc, valid-type]
         from dask.dataframe.dask_expr.io.io import FromGraph
 
         frame = self.frame
-        if not isinstance(frame, FromGraph) or "keys" not in frame._parameters:
-            return None
-        keys = list(frame.operand("keys"))
-        return keys if len(keys) == frame.npartitions else None
+        return list(frame.operand("keys")) if isinstance(frame, FromGraph) else None
 
     def _input_key(self, index: int) -> Any:
         """The key of input partition ``index`` that insert ``index`` reads.

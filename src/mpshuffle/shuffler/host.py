@@ -63,6 +63,7 @@ from mpshuffle.table.hashing import partition_owners
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
+    from mpshuffle.comm.base import SendFuture
     from mpshuffle.memory.pool import HostPool
     from mpshuffle.table import FrameAdapter
 
@@ -142,7 +143,7 @@ class Shuffler(Run):
         # Per destination, sends of earlier inserts whose bytes the transport
         # copied already (SendFuture.copied) and that their receiver may not
         # have taken yet, oldest first; guarded by _lock.
-        self._copied_in_flight: dict[int, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        self._copied_in_flight: dict[int, collections.deque[SendFuture]] = collections.defaultdict(collections.deque)
 
     def set_run_options(self, timeout: float | None, batch_bytes: int | None) -> None:
         """Apply the run's ``timeout`` and ``batch_bytes`` (see :meth:`Run.set_run_options`)."""
@@ -225,7 +226,7 @@ class Shuffler(Run):
         nranks, timeout = self.comm.nranks, self.timeout
         table = _table_of(pieces)
         reservation = self.postbox.resource.reserve(MemoryType.HOST, table.nbytes)
-        in_flight: dict[int, list[Any]] = {}
+        in_flight: dict[int, list[SendFuture]] = {}
         waited = 0.0
         try:
             for dest, ix in _batches(table, nranks, self._batch_bytes):
@@ -235,13 +236,13 @@ class Shuffler(Run):
             t_wait = time.perf_counter()
             deadline, unsent = time.monotonic() + timeout, []
             for dest, futs in in_flight.items():
-                copied = [f for f in futs if getattr(f, "copied", False)]
+                copied = [f for f in futs if f.copied]
                 if copied:
                     with self._lock:
                         self._copied_in_flight[dest].extend(copied)
                 try:
                     for fut in futs:
-                        if not getattr(fut, "copied", False):
+                        if not fut.copied:
                             fut.result(max(0.0, deadline - time.monotonic()))
                         elif fut.done():
                             fut.result()  # raises a failed send's error here, as a wait would
@@ -260,7 +261,7 @@ class Shuffler(Run):
             self.statistics["seconds_insert_wait"] += waited
 
     def _send_after(
-        self, in_flight: dict[int, list[Any]], dest: int, source: tuple[int, str, bool],
+        self, in_flight: dict[int, list[SendFuture]], dest: int, source: tuple[int, str, bool],
         table: PieceTable, ix: npt.NDArray[np.int64], timeout: float,
     ) -> float:
         """Send a chunk to ``dest`` once fewer than :data:`IN_FLIGHT` chunks to ``dest`` are in flight.
@@ -307,7 +308,7 @@ class Shuffler(Run):
 
     def _send_chunk(
         self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64]
-    ) -> Any:
+    ) -> SendFuture:
         input_index, attempt, given = source
         frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix, given=given)
         self._seq += len(ix)
