@@ -95,7 +95,7 @@ def main() -> None:
         t0 = time.perf_counter()
         gen = bootstrap_dask_cluster(client, pool_size=args.pool_size, spill_device=args.spill_device)
         print(f"bootstrap {time.perf_counter() - t0:.2f} s, {gen.nranks} ranks", flush=True)
-        addrs = sorted(client.scheduler_info()["workers"])
+        addrs = sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
         meta = DeviceTable({k: cp.empty(0, dtype=d) for k, d in
                             (("key", cp.int64), ("a", cp.float64), ("b", cp.float64), ("c", cp.float64))})
         for gb in args.gb:

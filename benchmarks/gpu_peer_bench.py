@@ -209,7 +209,7 @@ def main() -> None:
         memory_limit=0, dashboard_address=":0",
     ) as cluster, Client(cluster) as client:
         client.wait_for_workers(ngpu)
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
         _log(t_start, "cluster up:", workers)
 
         t = time.perf_counter()

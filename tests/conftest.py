@@ -119,6 +119,18 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30) -> An
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def worker_addresses(client: Client) -> list[str]:
+    """The addresses of the workers the scheduler has now, sorted.
+
+    Asks the scheduler and reads its answer, rather than
+    ``client.scheduler_info()["workers"]``: that returns the client's shared
+    ``_scheduler_identity``, which distributed's periodic refresh (every 2 s,
+    without workers since 2026.x) can overwrite between the fetch and the
+    read, so a test saw no worker at all.
+    """
+    return sorted(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 @contextlib.contextmanager
 def three_worker_client() -> Iterator[Client]:
     """A client of a fresh, bootstrapped LocalCluster of 3 worker processes (one to lose, two to go on).

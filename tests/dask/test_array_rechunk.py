@@ -17,7 +17,7 @@ import pytest
 from dask.callbacks import Callback
 from distributed import Client, LocalCluster
 
-from conftest import three_worker_client, worker_state
+from conftest import three_worker_client, worker_addresses, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph
 from mpshuffle.dask import rechunk as rechunk_module
 from mpshuffle.dask.method import UnsupportedDaskError
@@ -331,6 +331,32 @@ def test_small_host_budget_makes_small_partitions(client: Client) -> None:
     assert all(s["shufflers"] == [] and s["spill"] == [] for s in state.values()), state
 
 
+def test_sizing_asks_the_scheduler_not_the_clients_shared_identity(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen in CI: distributed's periodic identity refresh (no workers) overwrote
+    the answer ``scheduler_info()`` had just fetched; a rechunk then sized its
+    partitions for one worker."""
+    from mpshuffle.options import Options
+
+    def raced(self: Any, n_workers: int = -1, **kwargs: Any) -> dict[str, Any]:
+        return {**self._scheduler_identity, "workers": {}}  # what the overwritten read returns
+
+    monkeypatch.setattr(Client, "scheduler_info", raced)
+    from distributed import wait
+
+    x = da.from_array(np.zeros((4, 4)), chunks=(1, 4)).persist()
+    wait(x)
+    (workers, nbytes), holders = rechunk_module._cluster(
+        Options(), [k for row in x.__dask_keys__() for k in row]
+    )
+    assert workers == len(worker_addresses(client)) == 2
+    assert nbytes > 0
+    held = client.who_has(x)
+    names = {a: i for i, a in enumerate(sorted({min(ws) for ws in held.values()}))}
+    assert holders == {k: names[min(ws)] for k, ws in held.items()}
+
+
 def test_async_client(cluster: LocalCluster) -> None:
     x = da.arange(4 * 6 * 5, chunks=30).reshape(4, 6, 5).rechunk((1, 6, 5))
 
@@ -390,7 +416,7 @@ def test_lost_worker_mid_insert_computes_the_rechunk_again() -> None:
         while not client.run_on_scheduler(runs):
             assert time.monotonic() < deadline, "the run did not start"
             time.sleep(0.05)
-        victim = sorted(client.scheduler_info()["workers"])[1]
+        victim = worker_addresses(client)[1]
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         Event(go, client=client).set()
         np.testing.assert_array_equal(fut.result(timeout=60), values)
@@ -414,7 +440,7 @@ def test_grouped_inserts_after_their_holder_is_lost() -> None:
         victim = min(held)
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while victim in client.scheduler_info()["workers"]:
+        while victim in worker_addresses(client):
             assert time.monotonic() < deadline, "the scheduler did not see the worker go"
             time.sleep(0.05)
         # The lost blocks are computed again elsewhere and move to their insert task.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from distributed import Client
 
-from conftest import wait_for, worker_state
+from conftest import wait_for, worker_addresses, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context
 from mpshuffle.errors import OptionError
 
@@ -27,7 +27,7 @@ def _rank_info(dask_worker):  # type: ignore[no-untyped-def]
 
 def test_ranks_follow_sorted_worker_addresses(client: Client) -> None:
     gen = bootstrap_dask_cluster(client)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = worker_addresses(client)
     assert gen.nranks == len(workers) == 2
     assert gen.ranks == {w: r for r, w in enumerate(workers)}
     info = client.run(_rank_info)
@@ -141,7 +141,7 @@ def test_workers_load_the_kernels_when_they_join(client: Client) -> None:
     # In the background: the bootstrap returned before it necessarily ended.
     seconds = wait_for(lambda: (s := client.run(_warmed_up)) and all(v is not None for v in s.values()) and s,
                        "every worker to load the kernels")
-    assert sorted(seconds) == sorted(client.scheduler_info()["workers"])
+    assert sorted(seconds) == worker_addresses(client)
     assert all(v > 0 for v in seconds.values())
 
 
@@ -191,7 +191,7 @@ def test_a_task_that_finds_the_plugin_still_on_its_way_waits_for_it(client: Clie
     from mpshuffle.dask import shuffle
 
     bootstrap_dask_cluster(client)
-    worker = sorted(client.scheduler_info()["workers"])[1]
+    worker = worker_addresses(client)[1]
     client.run(_hold_back_plugin, 1.0, workers=[worker])
     frame = pd.DataFrame({"k": np.arange(2000) % 37, "v": np.arange(2000)})
     out = shuffle(dd.from_pandas(frame, npartitions=4), "k", npartitions=3).compute()
@@ -263,7 +263,7 @@ def test_a_starting_client_has_workers_load_the_kernels_before_any_shuffle() -> 
     ):
         seconds = wait_for(lambda: (s := client.run(_warmed_up)) and None not in s.values() and s,
                            "every worker to load the kernels")
-        assert sorted(seconds) == sorted(client.scheduler_info()["workers"])
+        assert sorted(seconds) == worker_addresses(client)
         # Plugins only: no generation, no communicator, nothing in the task stream.
         state = client.run_on_scheduler(_scheduler_state)
         assert state == {"tasks": 0, "generation": None, "generations": [], "runs": 0}

@@ -27,7 +27,7 @@ import pandas as pd
 import pytest
 from distributed import Client, Event, LocalCluster, rejoin, secede
 
-from conftest import three_worker_client, worker_state
+from conftest import three_worker_client, worker_addresses, worker_state
 from conftest import wait_for as _wait_for
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, shuffle
 from mpshuffle.errors import BootstrapError
@@ -150,7 +150,7 @@ def test_cli_started_cluster(tmp_path: Any) -> None:
         with Client(scheduler_file=sched_file) as client:
             client.wait_for_workers(3, timeout=60)
             gen = bootstrap_dask_cluster(client)
-            assert gen.nranks == 3 and set(gen.ranks) == set(client.scheduler_info()["workers"])
+            assert gen.nranks == 3 and set(gen.ranks) == set(worker_addresses(client))
             pdf = _frame()
             out = shuffle(dd.from_pandas(pdf, npartitions=5), "k", npartitions=4).compute()
             _check(out, pdf)
@@ -266,7 +266,7 @@ def test_membership_changes() -> None:
         out = shuffle(dd.from_pandas(pdf, npartitions=4), "k", npartitions=3).compute()
         _check(out, pdf)
         after = _state(client)
-        assert sorted(after["workers"]) == sorted(client.scheduler_info()["workers"]) and len(after["workers"]) == 2
+        assert sorted(after["workers"]) == worker_addresses(client) and len(after["workers"]) == 2
         assert leaving not in after["workers"]
         _assert_clean(client)
 
@@ -379,7 +379,7 @@ def _unhang_bootstrap(dask_worker):  # type: ignore[no-untyped-def]
 
 def test_bootstrap_timeout_names_missing_ranks(client: Client) -> None:
     bootstrap_dask_cluster(client)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = worker_addresses(client)
     client.run(_hang_bootstrap, workers=[workers[1]])
     try:
         with pytest.raises(BootstrapError) as info:
@@ -397,7 +397,7 @@ def test_bootstrap_timeout_names_missing_ranks(client: Client) -> None:
 
 def test_barrier_timeout_names_missing_rank(client: Client) -> None:
     bootstrap_dask_cluster(client, timeout=2)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = worker_addresses(client)
     client.run(_swallow, "inputs-done", workers=[workers[1]])
     pdf = _frame()
     with pytest.raises(Exception, match=rf"barrier phase.*rank 1 \(worker {workers[1]}\) did not confirm the barrier within 2 s"):
@@ -419,7 +419,7 @@ def _barrier_processing(dask_scheduler):  # type: ignore[no-untyped-def]
 
 def test_worker_answers_while_barrier_waits(client: Client) -> None:
     bootstrap_dask_cluster(client, timeout=60)
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = worker_addresses(client)
     client.run(_swallow, "inputs-done", workers=[workers[1]])
     fut = client.compute(shuffle(dd.from_pandas(_frame(), npartitions=3), "k", npartitions=2))
     waiting_on = _wait_for(lambda: client.run_on_scheduler(_barrier_processing), "the barrier to wait")

@@ -31,7 +31,7 @@ import pandas as pd
 import pytest
 from distributed import Client
 
-from conftest import worker_state
+from conftest import worker_addresses, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context, merge, shuffle, sort_values
 from mpshuffle.errors import ShuffleError
 from netns import NWORKERS, TIMEOUT, Hosts, ip, made_hosts
@@ -284,7 +284,7 @@ def _heartbeat_ages(dask_scheduler: Any = None) -> dict[str, float]:
 def _heard_again(hosts: Hosts, client: Client, i: int) -> None:
     """Wait until all workers are back (worker ``i`` started again if it gave up) and heartbeating."""
     deadline = time.monotonic() + 30
-    while len(client.scheduler_info()["workers"]) < NWORKERS and time.monotonic() < deadline:
+    while len(worker_addresses(client)) < NWORKERS and time.monotonic() < deadline:
         if hosts.workers[i].poll() is not None:
             hosts.spawn_worker(i)
         time.sleep(0.2)

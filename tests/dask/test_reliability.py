@@ -22,6 +22,7 @@ from dask.base import collections_to_expr, tokenize
 from distributed import Client, LocalCluster
 
 from conftest import wait_for as _wait_for
+from conftest import worker_addresses
 from mpshuffle.config import resolve_options
 from mpshuffle.dask import (
     bootstrap_dask_cluster,
@@ -85,7 +86,7 @@ def test_a_generation_bootstrapped_after_a_worker_left_keeps_the_users_options(
         assert {o[1:] for o in grown} == {(7.5, 123_456, 98_765_432)}
         # A worker left: the generation is retired, the next one is the user's too.
         cluster.scale(2)
-        _wait_for(lambda: len(client.scheduler_info()["workers"]) == 2, "a worker to leave")
+        _wait_for(lambda: len(worker_addresses(client)) == 2, "a worker to leave")
         _check(shuffle(dd.from_pandas(pdf, npartitions=4), "k", npartitions=5).compute(), pdf)
         shrunk = _options_everywhere(client)
         assert len(shrunk) == 1 and next(iter(shrunk))[0] not in (first.id, next(iter(grown))[0])

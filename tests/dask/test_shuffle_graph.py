@@ -25,7 +25,7 @@ from dask._task_spec import Alias
 from dask.core import keys_in_tasks
 from distributed import Client, get_task_stream, wait
 
-from conftest import worker_state
+from conftest import worker_addresses, worker_state
 from mpshuffle.dask import merge, shuffle, sort_values
 from mpshuffle.table import partition_ids
 
@@ -426,9 +426,9 @@ def test_recompute_after_worker_restart(client: Client) -> None:
     first = client.compute(out.to_delayed(), sync=True)
     # One worker process restarted (a new address, so a new generation); both
     # would cost twice the time for nothing more.
-    before = set(client.scheduler_info()["workers"])
+    before = set(worker_addresses(client))
     client.restart_workers([min(before)])
-    assert set(client.scheduler_info()["workers"]) != before
+    assert set(worker_addresses(client)) != before
     second = client.compute(out.to_delayed(), sync=True)
     _check(pdf.assign(v=pdf.v * 2), second, ["k"], 3)
     for x, y in zip(first, second, strict=True):

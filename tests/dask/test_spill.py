@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import worker_state
+from conftest import worker_addresses, worker_state
 from mpshuffle.config import resolve_options
 from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph, shuffle
 from mpshuffle.dask.runtime import LocalRuntime
@@ -171,7 +171,7 @@ def test_cluster_disk_full_names_worker_and_directory(client: Any) -> None:
         client.run(_restore_disk)
     msg = str(info.value)
     assert "disk is full" in msg
-    assert any(f"(worker {w})" in msg for w in client.scheduler_info()["workers"]), msg
+    assert any(f"(worker {w})" in msg for w in worker_addresses(client)), msg
     assert "mpshuffle-" in msg
     # The failed run's files and state are gone on every worker.
     state = client.run(worker_state)

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from conftest import worker_addresses
 from mpshuffle.memory import MemoryType
 from mpshuffle.shuffler.device import is_device_meta
 from mpshuffle.table.cudf import is_cudf_frame
@@ -145,7 +146,7 @@ def test_bootstrap_and_device_table_shuffle_on_local_cuda_cluster(cuda_client: A
     assert len({pci for pci, _, _ in info.values()}) == 2  # one worker per physical GPU
     assert all(budget == int(0.25 * total) for _, budget, total in info.values())
 
-    workers = sorted(cuda_client.scheduler_info()["workers"])
+    workers = worker_addresses(cuda_client)
     nin, n, npart = 6, 100_000, 8
     futs = [cuda_client.submit(_make_table, i, n, workers=[workers[i % 2]], pure=False) for i in range(nin)]
     meta = _make_table(0, 0)
@@ -177,7 +178,7 @@ def test_dask_cudf_collection_shuffles_on_the_gpus(cuda_client: Any) -> None:
 
     from mpshuffle.dask import shuffle
 
-    workers = sorted(cuda_client.scheduler_info()["workers"])
+    workers = worker_addresses(cuda_client)
     nin, n = 6, 50_000
     futs = [cuda_client.submit(_make_cudf, i, n, workers=[workers[i % 2]], pure=False) for i in range(nin)]
     meta = _make_cudf(0, 0)

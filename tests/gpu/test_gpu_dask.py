@@ -20,6 +20,7 @@ import pytest
 
 from conftest import check_device_output as _check_output
 from conftest import host_table as _host_table
+from conftest import worker_addresses
 from mpshuffle.comm import LocalCommunicator
 from mpshuffle.memory import BufferResource, MemoryType
 from mpshuffle.shuffler.device import DeviceRun
@@ -116,7 +117,7 @@ def _shuffle_layer(
 
     from mpshuffle.dask import shuffle_graph
 
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = worker_addresses(client)
     futs = [client.submit(_make, s, nrows, workers=[workers[i % 2]], pure=False) for i, s in enumerate(seeds)]
     meta = DeviceTable({k: cp.asarray(v[:0]) for k, v in _host_table(0, 1).items()})
     graph, keys = shuffle_graph([f.key for f in futs], on=["key"], npartitions=npart, meta=meta)

@@ -478,7 +478,10 @@ def _cluster(options: Options, keys: Sequence[Any] = ()) -> tuple[tuple[int, int
     holders: dict[Any, int] = {}
     if not client.asynchronous and client.status == "running":
         try:
-            info = client.scheduler_info(n_workers=-1)["workers"]
+            # The scheduler's answer itself: scheduler_info() returns the client's
+            # shared identity, which its periodic refresh (without workers) can
+            # overwrite between the fetch and the read.
+            info = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
             if keys:
                 who = client.sync(client.scheduler.who_has, keys=list(keys))
                 first = {k: min(ws) for k, ws in who.items() if ws}
