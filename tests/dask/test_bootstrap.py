@@ -287,3 +287,50 @@ def test_the_client_preload_keeps_per_preload_arguments_in_step() -> None:
             assert dask.config.get("distributed.client.preload-argv") == expected
             install()  # idempotent
             assert dask.config.get("distributed.client.preload-argv") == expected
+
+
+def _prefix_durations(dask_scheduler) -> dict[str, float | None]:  # type: ignore[no-untyped-def]
+    from mpshuffle.dask.scheduler import TASK_DURATIONS
+
+    return {
+        name: (p.duration_average if (p := dask_scheduler.task_prefixes.get(name)) is not None else None)
+        for name in TASK_DURATIONS
+    }
+
+
+@pytest.mark.parametrize("configured", [None, "3s"])
+def test_the_scheduler_estimates_mpshuffle_tasks_until_it_has_timed_them(configured: str | None) -> None:
+    """A first graph's inserts were placed as if each took Dask's unknown 500 ms, and moved inputs."""
+    import dask
+    import numpy as np
+    import pandas as pd
+    from dask import dataframe as dd
+    from distributed import LocalCluster
+
+    from mpshuffle.dask import shuffle
+    from mpshuffle.dask.scheduler import TASK_DURATIONS
+
+    user = {"mpshuffle-insert": configured} if configured else {}
+    with (
+        dask.config.set({"distributed.scheduler.default-task-durations": user}),
+        LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+                     memory_limit="2GiB") as cluster,
+        Client(cluster) as client,
+    ):
+        bootstrap_dask_cluster(client)
+        before = client.run_on_scheduler(_prefix_durations)
+        want = {**TASK_DURATIONS, **({"mpshuffle-insert": 3.0} if configured else {})}
+        if configured:
+            # The user's estimate is the scheduler's own, read when the prefix is made.
+            assert before["mpshuffle-insert"] is None
+            before["mpshuffle-insert"] = 3.0
+        assert before == want
+        frame = pd.DataFrame({"k": np.arange(4000) % 37, "v": np.arange(4000)})
+        parts = client.compute(shuffle(dd.from_pandas(frame, npartitions=4), "k", npartitions=3).to_delayed(),
+                               sync=True)
+        pd.testing.assert_frame_equal(pd.concat(parts).sort_values("v").reset_index(drop=True), frame)
+        after = client.run_on_scheduler(_prefix_durations)
+        # Timed now: the scheduler's own averages replace the estimates.
+        assert after["mpshuffle-insert"] is not None and after["mpshuffle-insert"] != want["mpshuffle-insert"]
+        assert after["mpshuffle-extract"] is not None and after["mpshuffle-extract"] != want["mpshuffle-extract"]
+        assert after["mpshuffle-rechunk-insert"] == want["mpshuffle-rechunk-insert"]  # not run: still the estimate

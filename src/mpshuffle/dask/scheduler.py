@@ -31,7 +31,11 @@ It is the one owner of the cluster-wide state of mpshuffle:
   fails with an error naming the phase and the lost worker if the scheduler
   still counts that worker as alive after the run's ``timeout``;
 * cleanup: when the graph's barrier task is released, forgotten or errs,
-  every rank frees the run.
+  every rank frees the run;
+* placement of a cluster's first shuffle: as it starts, the plugin gives the
+  scheduler an estimate of an insert's and an extract's duration
+  (:data:`TASK_DURATIONS`) until the scheduler has timed one, so the first
+  graph's inserts run where their inputs are, as later graphs' do.
 """
 
 from __future__ import annotations
@@ -84,6 +88,39 @@ _VERDICT_POLL = 0.25
 
 # How many ended runs the plugin remembers for late questions of their tasks.
 _ENDED_RUNS = 1024
+
+#: Seconds the scheduler assumes a task of each of mpshuffle's key prefixes
+#: takes until it has timed one (its ``default-task-durations``; a user's
+#: entry for the same prefix wins). Without an entry the scheduler assumes
+#: ``unknown-task-duration`` (500 ms), so at a cluster's first shuffle, when
+#: it places every insert at once, each insert looked five times longer than
+#: it is (~0.1 s for 60 MB), the worker holding more inputs looked busy, and
+#: inserts went to the other worker with their input partition. Lineitem SF 1
+#: on 2 workers, persisted, a fresh cluster's first config-line shuffle: 4 of
+#: 8 moved 1-2 of the 16 partitions (0.18 s of transfer each), none of 7 with
+#: these estimates (session 20, ``benchmarks/results/README.md``).
+TASK_DURATIONS = {
+    "mpshuffle-insert": 0.1,
+    "mpshuffle-extract": 0.1,
+    "mpshuffle-rechunk-insert": 0.1,
+    "mpshuffle-rechunk-extract": 0.1,
+}
+
+
+def _estimate_task_durations(scheduler: Scheduler) -> None:
+    """Give the scheduler :data:`TASK_DURATIONS` for prefixes it has not timed and the user did not set."""
+    import dask
+    from distributed.scheduler import TaskPrefix
+
+    configured = dask.config.get("distributed.scheduler.default-task-durations", None) or {}
+    for name, seconds in TASK_DURATIONS.items():
+        if name in configured:
+            continue  # TaskPrefix reads the user's own estimate
+        prefix = scheduler.task_prefixes.get(name)
+        if prefix is None:
+            scheduler.task_prefixes[name] = prefix = TaskPrefix(name)
+        if prefix.duration_average < 0 and prefix.max_exec_time < 0:  # nothing timed yet
+            prefix.duration_average = seconds
 
 
 @dataclasses.dataclass(eq=False)
@@ -157,6 +194,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._lock = asyncio.Lock()
+        _estimate_task_durations(scheduler)
         # A rank that stops answering fails its runs within their timeout.
         self._watch = RankWatch(self)
         self._watch.start()
