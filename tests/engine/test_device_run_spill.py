@@ -287,13 +287,13 @@ def test_disk_full_in_the_exchange_fails_the_barrier_and_extract(
 def test_spilled_buffers_reuse_pooled_blocks_across_runs_within_the_host_budget(
     comm: LocalCommunicator, tmp_path: Any
 ) -> None:
-    from mpshuffle.memory.pool import HostPool
+    from mpshuffle.memory.pool import HostPool, size_class
     from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
 
-    # Room on the device for one table (~26 kB), on the host for three blocks of
-    # the pool's smallest size class (64 KiB): the host tier makes room (oldest
-    # to disk) before each buffer comes down to it.
-    host = 3 * 2**16
+    # Room on the device for one table (~26 kB), on the host for three pool
+    # blocks of a spilled buffer's size class (26.4-26.6 kB: 28 KiB): the host
+    # tier makes room (oldest to disk) before each buffer comes down to it.
+    host = 3 * size_class(26_600)
     resource = BufferResource({MemoryType.DEVICE: 30_000, MemoryType.HOST: host}, spill_dir=str(tmp_path),
                               owner=OWNER, spill_prefix="mpshuffle-g")
     spill = HostPool(host, resource, per_class=64)
