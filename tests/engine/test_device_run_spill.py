@@ -291,8 +291,9 @@ def test_spilled_buffers_reuse_pooled_blocks_across_runs_within_the_host_budget(
     from mpshuffle.shuffler.device.buffers import STAGE_BYTES, HostBlocks
 
     # Room on the device for one table (~26 kB), on the host for three pool
-    # blocks of a spilled buffer's size class (26.4-26.6 kB: 28 KiB): the host
-    # tier makes room (oldest to disk) before each buffer comes down to it.
+    # blocks of a spilled buffer's size class (26.4-26.6 kB asked; the class is
+    # the pool's smallest, 64 KiB): the host tier makes room (oldest to disk)
+    # before each buffer comes down to it.
     host = 3 * size_class(26_600)
     resource = BufferResource({MemoryType.DEVICE: 30_000, MemoryType.HOST: host}, spill_dir=str(tmp_path),
                               owner=OWNER, spill_prefix="mpshuffle-g")

@@ -116,7 +116,7 @@ def test_pieces_kept_and_sent_lie_in_separate_pooled_buffers() -> None:
 
     def base(pid: int) -> int:
         # The pooled buffer the piece is a slice of (not its address rounded
-        # to a block size: blocks are as small as a page).
+        # to a block size, which holds only for one size of block).
         parent = pieces[pid].data.parent
         assert parent is not None
         return int(parent.address)
@@ -240,7 +240,7 @@ def test_grid_cuts_go_straight_into_kept_and_sent_pieces(per_partition: int, nra
             if sent:
                 lo, hi = sent[0].parent.address, sent[0].parent.address + sent[0].parent.size
                 assert all(d.address + d.size <= lo or d.address >= hi for d in kept)  # each kept one is apart
-            # The kept pieces share one buffer of their own: no pool block (a page at least) per piece.
+            # The kept pieces share one buffer of their own: no pool block (64 KiB at least) per piece.
             assert len({d.parent.address for d in kept}) <= 1
             if kept:
                 assert kept[0].parent.size < 2 * sum(d.size for d in kept)
