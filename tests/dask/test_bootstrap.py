@@ -7,7 +7,7 @@ from distributed import Client
 
 from conftest import wait_for, worker_addresses, worker_state
 from mpshuffle.dask import bootstrap_dask_cluster, get_worker_context
-from mpshuffle.errors import OptionError
+from mpshuffle.errors import BootstrapError, OptionError
 
 
 def _scheduler_state(dask_scheduler):  # type: ignore[no-untyped-def]
@@ -65,6 +65,53 @@ def test_bootstrap_leaves_no_task_and_no_future(client: Client) -> None:
         ))
 
     wait_for(only_progress_threads, "each worker's mpshuffle threads to be its progress thread alone")
+
+
+def _withhold_bootstrap_handler(seconds: float | None, dask_worker):  # type: ignore[no-untyped-def]
+    """Take the worker plugin's bootstrap handler away, as before its setup; back after ``seconds`` (or at restore)."""
+    import asyncio
+
+    dask_worker.mpshuffle_withheld = handler = dask_worker.handlers.pop("mpshuffle_bootstrap")
+    if seconds is not None:
+        asyncio.get_running_loop().call_later(seconds, dask_worker.handlers.__setitem__, "mpshuffle_bootstrap", handler)
+
+
+def _restore_bootstrap_handler(dask_worker):  # type: ignore[no-untyped-def]
+    dask_worker.handlers["mpshuffle_bootstrap"] = dask_worker.mpshuffle_withheld
+
+
+def test_a_worker_whose_plugin_is_still_being_set_up_is_asked_again(client: Client) -> None:
+    """Two plugin registrations that cross (a client's preload, then the first shuffle's) leave the
+    second one returning before the first has set the plugin up on every worker: the bootstrap
+    reaches a worker with no handler yet (CI on the oldest Dask saw it as a TypeError)."""
+    first = bootstrap_dask_cluster(client)
+    workers = worker_addresses(client)
+    client.run(_withhold_bootstrap_handler, 1.0, workers=[workers[1]])
+    # Other generation options: a new generation, bootstrapped while rank 1 has no handler for 1 s.
+    gen = bootstrap_dask_cluster(client, spill_host=0.3)
+    assert gen.bootstrapped and gen.id != first.id
+    assert gen.ranks == {w: r for r, w in enumerate(workers)}
+    info = client.run(_rank_info)
+    assert {i["generation"] for i in info.values()} == {gen.id}
+
+
+def test_a_worker_without_the_plugin_is_named(client: Client) -> None:
+    bootstrap_dask_cluster(client)
+    workers = worker_addresses(client)
+    client.run(_withhold_bootstrap_handler, None, workers=[workers[1]])
+    try:
+        with pytest.raises(BootstrapError) as info:
+            bootstrap_dask_cluster(client, bootstrap_timeout=1, spill_host=0.35)
+    finally:
+        client.run(_restore_bootstrap_handler, workers=[workers[1]])
+    msg = str(info.value)
+    assert (
+        f"rank 1 (worker {workers[1]}): BootstrapError: the worker has no mpshuffle_bootstrap handler after 1 s: "
+        "mpshuffle's worker plugin is not set up there" in msg
+    )
+    assert f"rank 0 (worker {workers[0]}): BootstrapError: " in msg
+    # Nothing is left behind: with the handler back, the same options bootstrap.
+    assert bootstrap_dask_cluster(client, bootstrap_timeout=1, spill_host=0.35).bootstrapped
 
 
 def test_get_worker_context_outside_a_worker() -> None:

@@ -268,7 +268,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         # closed on them like any other generation.
         self.generations[new.id] = new
         try:
-            results = await self._call_each(workers, spec, opts.bootstrap_timeout + _BOOTSTRAP_GRACE)
+            results = await self._call_each(workers, spec, opts.bootstrap_timeout)
         finally:
             self._root_events.pop(new.id, None)
             self._roots.pop(new.id, None)
@@ -287,16 +287,40 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         return new.describe(bootstrapped=True)
 
     async def _call_each(
-        self, workers: tuple[str, ...], spec: BootstrapSpec, timeout: float
+        self, workers: tuple[str, ...], spec: BootstrapSpec, bootstrap_timeout: float
     ) -> dict[str, Joined | str]:
-        """Call ``mpshuffle_bootstrap`` on every worker: per worker its answer, or an error text."""
+        """Call ``mpshuffle_bootstrap`` on every worker: per worker its answer, or an error text.
+
+        A worker that answers ``None`` has no ``mpshuffle_bootstrap`` handler
+        (Dask answers ``None`` for an unknown operation): its worker plugin is
+        not set up yet. That happens when two registrations cross: the
+        scheduler takes an idempotent plugin it already holds as done at once,
+        while the first registration's broadcast is still setting it up on the
+        workers (a client's preload registers the plugins as it starts, and the
+        first shuffle registers them again). Such a worker is asked again until
+        ``bootstrap_timeout``; then its error names the missing plugin.
+        """
         assert self.scheduler is not None
         scheduler = self.scheduler
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bootstrap_timeout
 
         async def one(address: str) -> Joined:
-            return Joined.from_msg(await scheduler.rpc(address).mpshuffle_bootstrap(spec=spec.to_msg()))
+            delay = 0.01
+            while True:
+                msg = await scheduler.rpc(address).mpshuffle_bootstrap(spec=spec.to_msg())
+                if msg is not None:
+                    return Joined.from_msg(msg)
+                if loop.time() + delay > deadline:
+                    raise BootstrapError(
+                        f"the worker has no mpshuffle_bootstrap handler after {bootstrap_timeout:g} s: mpshuffle's "
+                        "worker plugin is not set up there (is mpshuffle installed in the worker's environment?)"
+                    )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 0.25)
 
         tasks = {w: asyncio.ensure_future(one(w)) for w in workers}
+        timeout = bootstrap_timeout + _BOOTSTRAP_GRACE
         await asyncio.wait(tasks.values(), timeout=timeout)
         results: dict[str, Joined | str] = {}
         for w, t in tasks.items():
