@@ -86,15 +86,18 @@ async def _shuffle_across_hosts(client: Client) -> None:
 def _cut_after_first_chunk(src: int, dask_worker: Any = None) -> None:
     """Fault injection: when the first chunk from rank ``src`` arrives, abort the socket it came on.
 
-    The link from ``src`` to this rank breaks mid-insert, from the
-    receiving side, as a cable pulled would (no goodbye).
+    The link from ``src`` to this rank breaks while data is in flight, from
+    the receiving side, as a cable pulled would (no goodbye): mid-insert
+    where chunks go as they are made, at the end of the inputs where they
+    are small and were held (this test's: a few KB per insert).
     """
     ctx = get_worker_context(dask_worker)
     deliver = ctx._on_message
     dask_worker.mpshuffle_cut = False
 
     def handler(s: int, tag: Any, frames: Any) -> None:
-        if tag[2] == "chunk" and s == src and not dask_worker.mpshuffle_cut:
+        # "chunks": small chunks held and sent together (at the latest as the inputs end).
+        if tag[2] in ("chunk", "chunks") and s == src and not dask_worker.mpshuffle_cut:
             dask_worker.mpshuffle_cut = True
             ctx.comm._inbound[src].abort()
         deliver(s, tag, frames)

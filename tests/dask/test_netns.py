@@ -225,7 +225,8 @@ def _cut_own_link_at(kind: str, inner: str, up_after: float | None = None, dask_
     dask_worker.mpshuffle_cut = False
 
     def handler(src: int, tag: Any, frames: Any) -> None:
-        if tag[2] == kind and not dask_worker.mpshuffle_cut:
+        # A chunk may come alone or with other small ones ("chunks", see SMALL_CHUNK_BYTES).
+        if (tag[2] == kind or (kind, tag[2]) == ("chunk", "chunks")) and not dask_worker.mpshuffle_cut:
             dask_worker.mpshuffle_cut = True
             subprocess.run(["ip", "link", "set", inner, "down"], check=True, timeout=10)
             if up_after is not None:

@@ -20,6 +20,7 @@ import pytest
 from mpshuffle.comm.base import Communicator, Frames, SendFuture, Tag
 from mpshuffle.errors import ShuffleTimeoutError
 from mpshuffle.memory import BufferResource
+from mpshuffle.shuffler import host
 from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.table import PandasAdapter
 
@@ -61,7 +62,14 @@ class _CopyingGroup(_Group):
 
 
 @pytest.fixture(params=["waits", "copies"])
-def ranks(request: pytest.FixtureRequest) -> Iterator[tuple[list[Shuffler], set[int], threading.Event]]:
+def ranks(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[list[Shuffler], set[int], threading.Event]]:
+    # These tests send chunks of a few hundred bytes to see how sends wait and
+    # fail; chunks that small are held and sent together at the end of the
+    # inputs (tested on their own below), so here every chunk is sent as it is
+    # made, as a large one is.
+    monkeypatch.setattr(host, "SMALL_CHUNK_BYTES", -1)
     nranks, frozen, thaw = 3, set[int](), threading.Event()
     group: list[_Group] = []
     kind = _CopyingGroup if request.param == "copies" else _Group
@@ -171,3 +179,120 @@ def test_copied_sends_stay_in_flight_across_inserts_within_the_bound(
     assert returned == (IN_FLIGHT if copies else 0)
     assert info.value.missing == (2,)
     assert "rank 2 (mem://2) did not take a chunk from rank 1 within 0.3 s" in str(info.value)
+
+
+class _CountingGroup(_Group):
+    """As :class:`_Group`, counting the messages each rank sends to each other rank, by kind."""
+
+    def send_nowait(self, dest: int, tag: Tag, frames: Sequence[Any]) -> SendFuture:
+        self.sent_kinds.setdefault((dest, tag[2]), 0)
+        self.sent_kinds[dest, tag[2]] += 1
+        return super().send_nowait(dest, tag, frames)
+
+
+def _counting_ranks(nranks: int = 3) -> tuple[list[Shuffler], list[_CountingGroup], set[int], threading.Event]:
+    frozen, thaw = set[int](), threading.Event()
+    group: list[_Group] = []
+    comms = [_CountingGroup(r, nranks, group, frozen, thaw) for r in range(nranks)]
+    group.extend(comms)
+    for c in comms:
+        c.sent_kinds = {}
+    shufflers = [Shuffler(c, 8, resource=BufferResource(), timeout=5) for c in comms]
+    for c, s in zip(comms, shufflers, strict=True):
+        c.register_handler("mps", s.receive)
+    return shufflers, comms, frozen, thaw
+
+
+def _close(shufflers: list[Shuffler], comms: list[_CountingGroup], thaw: threading.Event) -> None:
+    thaw.set()
+    for s in shufflers:
+        s.close()
+    for c in comms:
+        c.close()
+
+
+def test_small_chunks_are_held_and_sent_together_at_the_end_of_the_inputs() -> None:
+    """Inserts of a few rows send nothing to other ranks while they run; each rank gets one message at the barrier.
+
+    Every row still arrives exactly once, in its partition, in input order;
+    the run's chunk counts are per chunk, not per message.
+    """
+    shufflers, comms, _, thaw = _counting_ranks()
+    try:
+        adapter = PandasAdapter()
+        frame = pd.DataFrame({"k": range(600), "v": range(600)})
+        for i in range(20):
+            shufflers[i % 3].insert(i, adapter.split(frame.iloc[i * 30 : (i + 1) * 30], ["k"], 6), attempt=f"a{i}")
+        # Nothing went through the communicators yet: every chunk for another
+        # rank was small and is held; each rank's own went to its postbox.
+        assert all(not c.sent_kinds for c in comms)
+        assert all(s._held_bytes and s.postbox.resource.used(host.MemoryType.HOST) > 0 for s in shufflers)
+        shufflers[0].barrier(6, accepted=[f"a{i}" for i in range(20)])
+        for c in comms:
+            for dest in range(3):
+                if dest != c.rank:
+                    assert c.sent_kinds.get((dest, "chunks")) == 1
+                    assert (dest, "chunk") not in c.sent_kinds
+        expected = adapter.split(frame, ["k"], 6)
+        for j in range(6):
+            got = adapter.unpack(shufflers[j % 3].extract(j), frame.iloc[:0])
+            want = adapter.unpack([expected[j]], frame.iloc[:0]) if j in expected else frame.iloc[:0]
+            assert got["v"].tolist() == want["v"].tolist()  # input order kept: inputs are row ranges in order
+        sent = sum(s.statistics["chunks_sent"] for s in shufflers)
+        assert sent == 20 * 3 == sum(s.statistics["chunks_received"] for s in shufflers)
+        assert all(s.closed and s.postbox.resource.used(host.MemoryType.HOST) == 0 for s in shufflers)
+    finally:
+        _close(shufflers, comms, thaw)
+
+
+def test_held_chunks_go_once_they_reach_the_release_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "HELD_BYTES", 4000)
+    shufflers, comms, _, thaw = _counting_ranks(2)
+    try:
+        adapter = PandasAdapter()
+        frame = pd.DataFrame({"k": range(2000), "v": range(2000)})
+        for i in range(20):
+            shufflers[0].insert(i, adapter.split(frame.iloc[i * 100 : (i + 1) * 100], ["k"], 4), attempt=f"a{i}")
+        # ~1.6 KB for rank 1 per insert: a message every third insert or so, not one per insert.
+        messages = comms[0].sent_kinds.get((1, "chunks"), 0)
+        assert 3 <= messages <= 10
+        assert comms[0].sent_kinds.get((1, "chunk")) is None
+        shufflers[0].barrier(4, accepted=[f"a{i}" for i in range(20)])
+        rows = []
+        for j in range(4):
+            rows.extend(adapter.unpack(shufflers[j % 2].extract(j), frame.iloc[:0])["v"].tolist())
+        assert sorted(rows) == list(range(2000))
+    finally:
+        _close(shufflers, comms, thaw)
+
+
+def test_held_chunks_for_a_rank_that_stopped_reading_fail_the_barrier_naming_it() -> None:
+    shufflers, comms, frozen, thaw = _counting_ranks()
+    try:
+        frozen.add(2)
+        adapter = PandasAdapter()
+        frame = pd.DataFrame({"k": range(60), "v": range(60)})
+        shufflers[1].insert(0, adapter.split(frame, ["k"], 6))  # returns: its chunk for rank 2 is held
+        shufflers[0].timeout = 0.5
+        with pytest.raises(ShuffleTimeoutError) as info:
+            shufflers[0].barrier(6)
+        assert info.value.missing == (2,)
+        assert "rank 2 (mem://2)" in str(info.value)
+    finally:
+        _close(shufflers, comms, thaw)
+
+
+def test_a_failed_run_releases_its_held_chunks() -> None:
+    from mpshuffle.errors import ShuffleError
+
+    shufflers, comms, _, thaw = _counting_ranks(2)
+    try:
+        s = shufflers[0]
+        s.insert(0, PandasAdapter().split(pd.DataFrame({"k": range(50), "v": range(50)}), ["k"], 4))
+        held = s.postbox.resource.used(host.MemoryType.HOST)
+        assert s._held_bytes and held > 0
+        s.fail(ShuffleError("peer lost"))
+        assert not s._held and not s._held_bytes
+        assert s.postbox.resource.used(host.MemoryType.HOST) == 0
+    finally:
+        _close(shufflers, comms, thaw)

@@ -15,7 +15,9 @@ that many chunks from each have arrived; :meth:`Shuffler.extract` waits for
 that, then returns the partition's pieces ordered by input partition and
 position, so output rows come in a deterministic order.
 
-Message tags: ``("mps", op_id, kind)`` with kind ``"chunk"``, ``"finish"``,
+Message tags: ``("mps", op_id, kind)`` with kind ``"chunk"``, ``"chunks"``
+(small chunks held and sent together, :data:`SMALL_CHUNK_BYTES`: a list of
+each chunk's frame count, then their frames), ``"finish"``,
 ``"inputs-done"`` or ``"inputs-done-ack"``.
 
 A chunk is pieces of one input partition for one destination, a range of
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -48,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from mpshuffle.comm.base import SendFuture
 from mpshuffle.errors import (
     CommError,
     ShuffleError,
@@ -57,13 +61,13 @@ from mpshuffle.errors import (
 from mpshuffle.memory import BufferResource, Chunk, MemoryType, Postbox
 from mpshuffle.memory.packed import PackedPieces, PieceTable
 from mpshuffle.memory.postbox import compact_pieces
+from mpshuffle.memory.resource import Reservation
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import PackedData
 from mpshuffle.table.hashing import partition_owners
 
 if TYPE_CHECKING:
     from mpshuffle.comm import Communicator, Frames, Tag
-    from mpshuffle.comm.base import SendFuture
     from mpshuffle.memory.pool import HostPool
     from mpshuffle.table import FrameAdapter
 
@@ -94,6 +98,22 @@ RELEASE_MIN_BYTES = 2**20
 #: trip, and the workers used more CPU (``benchmarks/results/README.md``).
 #: What is in flight stays within the insert's own pieces, which exist anyway.
 IN_FLIGHT = 2
+#: A chunk for another rank whose frames together are at most this many bytes
+#: is copied at once and held with the other small chunks for that rank; they
+#: go as one ``"chunks"`` message once they reach :data:`HELD_BYTES`,
+#: and the rest when this rank's inputs are done (:meth:`Shuffler.insert_finished`).
+#: Why: an input partition of a few hundred rows (thousands of partitions)
+#: sends each rank a chunk of a few KB per insert, and each message cost a
+#: wake of the progress thread, the GIL handed to it and back, and a
+#: message's framing and reading on both ranks: per pair of (input
+#: partition, rank), what issue 24 asks to make per rank.
+SMALL_CHUNK_BYTES = 64 * 1024
+#: Held small chunks for one rank go once they reach this many bytes. Below
+#: the transport's shared-memory threshold (256 KiB), so that they arrive in
+#: one buffer of the receiver's own, freed as a whole: in a shared-memory
+#: file each of their thousands of frames was a mapping whose pages every
+#: extract looked at giving back (``PieceTable.release_pages``).
+HELD_BYTES = 192 * 1024
 
 
 class Shuffler(Run):
@@ -144,6 +164,12 @@ class Shuffler(Run):
         # copied already (SendFuture.copied) and that their receiver may not
         # have taken yet, oldest first; guarded by _lock.
         self._copied_in_flight: dict[int, collections.deque[SendFuture]] = collections.defaultdict(collections.deque)
+        # Per destination, small chunks copied and held until they go together
+        # (SMALL_CHUNK_BYTES): their frames, their bytes, and the reservation
+        # that accounts them; guarded by _lock.
+        self._held: dict[int, list[list[bytes]]] = {}
+        self._held_bytes: dict[int, int] = {}
+        self._held_reservations: dict[int, list[Reservation]] = {}
 
     def set_run_options(self, timeout: float | None, batch_bytes: int | None) -> None:
         """Apply the run's ``timeout`` and ``batch_bytes`` (see :meth:`Run.set_run_options`)."""
@@ -317,27 +343,85 @@ class Shuffler(Run):
             self.statistics["chunks_sent"] += 1
             if dest != self.comm.rank:
                 self.statistics["bytes_sent"] += nbytes
-        return self.comm.send_nowait(dest, (TAG, self.op_id, "chunk"), frames)
+        tag = (TAG, self.op_id, "chunk")
+        if dest != self.comm.rank:
+            total = sum(memoryview(f).nbytes for f in frames)
+            if total <= SMALL_CHUNK_BYTES:
+                if given:
+                    # Held chunks travel together in one buffer of the
+                    # receiver, which frees it as a whole: its pages are not
+                    # given back piece by piece (counting them cost more than
+                    # the shuffle at 2000 -> 2000 partitions of 500 rows).
+                    frames, nbytes = _chunk_frames(input_index, attempt, self._seq - len(ix), table, ix)
+                return self._hold(dest, frames, total)
+        if dest == self.comm.rank:
+            # This rank's own chunk goes to its postbox here, in the task
+            # thread, as the progress thread would file it: through the
+            # communicator it cost a wake of the progress thread's loop and a
+            # wait for it per insert (the GIL handed back and forth), for a
+            # message that moves no byte.
+            self.receive(dest, tag, frames)
+            done = SendFuture()
+            done.set_result(None)
+            return done
+        return self.comm.send_nowait(dest, tag, frames)
+
+    def _hold(self, dest: int, frames: list[Any], nbytes: int) -> SendFuture:
+        """Copy a small chunk for ``dest`` and hold it (see :data:`SMALL_CHUNK_BYTES`).
+
+        Returns the future of the message that took the held chunks if they
+        reached :data:`HELD_BYTES` (it counts against
+        :data:`IN_FLIGHT` as any send), else a future that is done already.
+        """
+        copies = [f if isinstance(f, bytes) else memoryview(f).cast("B").tobytes() for f in frames]
+        reservation = self.postbox.resource.reserve(MemoryType.HOST, nbytes)
+        with self._lock:
+            self._held.setdefault(dest, []).append(copies)
+            self._held_reservations.setdefault(dest, []).append(reservation)
+            held = self._held_bytes[dest] = self._held_bytes.get(dest, 0) + nbytes
+        if held >= HELD_BYTES:
+            sent = self._send_held(dest)
+            if sent is not None:
+                return sent
+        done = SendFuture()
+        done.copied = True
+        done.set_result(None)
+        return done
+
+    def _send_held(self, dest: int) -> SendFuture | None:
+        """Send the chunks held for ``dest`` as one ``"chunks"`` message; ``None`` if none are held."""
+        with self._lock:
+            chunks = self._held.pop(dest, None)
+            self._held_bytes.pop(dest, None)
+            reservations = self._held_reservations.pop(dest, [])
+        if not chunks:
+            return None
+        counts = msgpack.packb([len(c) for c in chunks])
+        fut = self.comm.send_nowait(dest, (TAG, self.op_id, "chunks"), [counts, *itertools.chain.from_iterable(chunks)])
+        # The bytes are the transport's now (as a copied message's are).
+        fut.copied = True
+        for r in reservations:
+            r.release()
+        return fut
+
+    def _send_all_held(self) -> None:
+        with self._lock:
+            dests = list(self._held)
+        for dest in dests:
+            self._send_held(dest)
 
     # -- receive (progress thread) ---------------------------------------
     def receive(self, src: int, tag: Tag, frames: Frames) -> None:
         """Handle one message of this run (called on the progress thread)."""
         kind = tag[2]
         if kind == "chunk":
-            chunk = _received_chunk(src, frames)
-            nbytes = chunk.data_bytes
-            if self._error is None and not self._closed:
-                try:
-                    # Spilling happens here, on the progress thread: while it
-                    # writes, no more data is read from the peers (back-pressure).
-                    self.postbox.add_chunk(chunk)
-                except Exception as e:  # noqa: BLE001 -- any failure here must fail the run, not hang it
-                    logger.error("mpshuffle: %s", e)
-                    self.fail(e)
-            with self._lock:
-                self._received[src] += 1
-                self.statistics["chunks_received"] += 1
-                self.statistics["bytes_received"] += nbytes
+            self._receive_chunk(src, frames)
+            self._check_complete()
+        elif kind == "chunks":
+            at = 1
+            for n in msgpack.unpackb(frames[0]):
+                self._receive_chunk(src, frames[at : at + n])
+                at += n
             self._check_complete()
         elif kind == "finish":
             with self._lock:
@@ -348,6 +432,22 @@ class Shuffler(Run):
             self.insert_finished(info["npartitions"], reply_to=src, accepted=info.get("accepted"))
         elif kind == "inputs-done-ack":
             self._record_ack(src)
+
+    def _receive_chunk(self, src: int, frames: Frames) -> None:
+        chunk = _received_chunk(src, frames)
+        nbytes = chunk.data_bytes
+        if self._error is None and not self._closed:
+            try:
+                # Spilling happens here, on the progress thread: while it
+                # writes, no more data is read from the peers (back-pressure).
+                self.postbox.add_chunk(chunk)
+            except Exception as e:  # noqa: BLE001 -- any failure here must fail the run, not hang it
+                logger.error("mpshuffle: %s", e)
+                self.fail(e)
+        with self._lock:
+            self._received[src] += 1
+            self.statistics["chunks_received"] += 1
+            self.statistics["bytes_received"] += nbytes
 
     def _check_complete(self) -> None:
         with self._lock:
@@ -373,6 +473,9 @@ class Shuffler(Run):
                 self._mark_inputs_done(npartitions, accepted)
                 sent = list(self._sent)
         if first:
+            # The small chunks still held go now; completion counts chunks, so
+            # they may arrive after the count.
+            self._send_all_held()
             for dest in range(self.comm.nranks):
                 self.comm.send_nowait(dest, (TAG, self.op_id, "finish"), [str(sent[dest]).encode()])
             # A rank that owns no output partition (npartitions < nranks) is
@@ -505,6 +608,12 @@ class Shuffler(Run):
     def _free(self) -> None:
         with self._lock:
             self._copied_in_flight.clear()
+            self._held.clear()
+            self._held_bytes.clear()
+            reservations = [r for rs in self._held_reservations.values() for r in rs]
+            self._held_reservations.clear()
+        for r in reservations:
+            r.release()
         self.postbox.clear()
         self._update_spill_statistics()
 
