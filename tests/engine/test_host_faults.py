@@ -296,3 +296,23 @@ def test_a_failed_run_releases_its_held_chunks() -> None:
         assert s.postbox.resource.used(host.MemoryType.HOST) == 0
     finally:
         _close(shufflers, comms, thaw)
+
+
+def test_large_chunks_go_as_they_are_made_this_ranks_own_through_its_progress_thread() -> None:
+    """Chunks above SMALL_CHUNK_BYTES are not held, and this rank's own large one goes through the
+    communicator (its progress thread files it, past the budget spills it, while the insert goes on)."""
+    shufflers, comms, _, thaw = _counting_ranks(2)
+    try:
+        adapter = PandasAdapter()
+        n = 3 * host.SMALL_CHUNK_BYTES // 16 * 2  # two int64 columns: ~3x SMALL_CHUNK_BYTES per rank
+        frame = pd.DataFrame({"k": range(n), "v": range(n)})
+        shufflers[0].insert(0, adapter.split(frame, ["k"], 4), attempt="a0")
+        assert comms[0].sent_kinds.get((0, "chunk"), 0) >= 1 and comms[0].sent_kinds.get((1, "chunk"), 0) >= 1
+        assert not shufflers[0]._held
+        shufflers[0].barrier(4, accepted=["a0"])
+        rows = []
+        for j in range(4):
+            rows.extend(adapter.unpack(shufflers[j % 2].extract(j), frame.iloc[:0])["v"].tolist())
+        assert sorted(rows) == list(range(n))
+    finally:
+        _close(shufflers, comms, thaw)
