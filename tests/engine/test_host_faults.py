@@ -226,7 +226,7 @@ def test_small_chunks_are_held_and_sent_together_at_the_end_of_the_inputs() -> N
         # Nothing went through the communicators yet: every chunk for another
         # rank was small and is held; each rank's own went to its postbox.
         assert all(not c.sent_kinds for c in comms)
-        assert all(s._held_bytes and s.postbox.resource.used(host.MemoryType.HOST) > 0 for s in shufflers)
+        assert all(s._held and s.postbox.resource.used(host.MemoryType.HOST) > 0 for s in shufflers)
         shufflers[0].barrier(6, accepted=[f"a{i}" for i in range(20)])
         for c in comms:
             for dest in range(3):
@@ -290,9 +290,9 @@ def test_a_failed_run_releases_its_held_chunks() -> None:
         s = shufflers[0]
         s.insert(0, PandasAdapter().split(pd.DataFrame({"k": range(50), "v": range(50)}), ["k"], 4))
         held = s.postbox.resource.used(host.MemoryType.HOST)
-        assert s._held_bytes and held > 0
+        assert s._held and held > 0
         s.fail(ShuffleError("peer lost"))
-        assert not s._held and not s._held_bytes
+        assert not s._held
         assert s.postbox.resource.used(host.MemoryType.HOST) == 0
     finally:
         _close(shufflers, comms, thaw)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import itertools
+import dataclasses
 import logging
 import threading
 import time
@@ -98,7 +98,7 @@ RELEASE_MIN_BYTES = 2**20
 #: trip, and the workers used more CPU (``benchmarks/results/README.md``).
 #: What is in flight stays within the insert's own pieces, which exist anyway.
 IN_FLIGHT = 2
-#: A chunk for another rank whose frames together are at most this many bytes
+#: A chunk for another rank whose pieces' data are at most this many bytes
 #: is copied at once and held with the other small chunks for that rank; they
 #: go as one ``"chunks"`` message once they reach :data:`HELD_BYTES`,
 #: and the rest when this rank's inputs are done (:meth:`Shuffler.insert_finished`).
@@ -164,12 +164,9 @@ class Shuffler(Run):
         # copied already (SendFuture.copied) and that their receiver may not
         # have taken yet, oldest first; guarded by _lock.
         self._copied_in_flight: dict[int, collections.deque[SendFuture]] = collections.defaultdict(collections.deque)
-        # Per destination, small chunks copied and held until they go together
-        # (SMALL_CHUNK_BYTES): their frames, their bytes, and the reservation
-        # that accounts them; guarded by _lock.
-        self._held: dict[int, list[list[bytes]]] = {}
-        self._held_bytes: dict[int, int] = {}
-        self._held_reservations: dict[int, list[Reservation]] = {}
+        # Per destination, small chunks copied and held until they go
+        # together (SMALL_CHUNK_BYTES); guarded by _lock.
+        self._held: dict[int, _Held] = {}
 
     def set_run_options(self, timeout: float | None, batch_bytes: int | None) -> None:
         """Apply the run's ``timeout`` and ``batch_bytes`` (see :meth:`Run.set_run_options`)."""
@@ -336,25 +333,23 @@ class Shuffler(Run):
         self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64]
     ) -> SendFuture:
         input_index, attempt, given = source
-        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix, given=given)
+        small = int(table.size[ix].sum()) <= SMALL_CHUNK_BYTES
+        held = small and dest != self.comm.rank
+        # Held chunks travel together in one buffer of the receiver, which
+        # frees it as a whole: their pages are not given back piece by piece
+        # (counting them cost more than the shuffle at 2000 -> 2000 partitions
+        # of 500 rows).
+        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix, given=given and not held)
         self._seq += len(ix)
         with self._lock:
             self._sent[dest] += 1
             self.statistics["chunks_sent"] += 1
             if dest != self.comm.rank:
                 self.statistics["bytes_sent"] += nbytes
+        if held:
+            return self._hold(dest, frames)
         tag = (TAG, self.op_id, "chunk")
-        small = sum(memoryview(f).nbytes for f in frames) <= SMALL_CHUNK_BYTES
-        if dest != self.comm.rank:
-            if small:
-                if given:
-                    # Held chunks travel together in one buffer of the
-                    # receiver, which frees it as a whole: its pages are not
-                    # given back piece by piece (counting them cost more than
-                    # the shuffle at 2000 -> 2000 partitions of 500 rows).
-                    frames, nbytes = _chunk_frames(input_index, attempt, self._seq - len(ix), table, ix)
-                return self._hold(dest, frames, sum(memoryview(f).nbytes for f in frames))
-        elif small:
+        if small:
             # A small chunk for this rank goes to its postbox here, in the
             # task thread, as the progress thread would file it: through the
             # communicator it cost a wake of the progress thread's loop and a
@@ -364,12 +359,10 @@ class Shuffler(Run):
             # to the spill file) while this thread packs and sends the next:
             # filed here, the 4.5 GB out-of-core shuffle took ~15 % more time.
             self.receive(dest, tag, frames)
-            done = SendFuture()
-            done.set_result(None)
-            return done
+            return _done(copied=False)
         return self.comm.send_nowait(dest, tag, frames)
 
-    def _hold(self, dest: int, frames: list[Any], nbytes: int) -> SendFuture:
+    def _hold(self, dest: int, frames: list[Any]) -> SendFuture:
         """Copy a small chunk for ``dest`` and hold it (see :data:`SMALL_CHUNK_BYTES`).
 
         Returns the future of the message that took the held chunks if they
@@ -377,34 +370,28 @@ class Shuffler(Run):
         :data:`IN_FLIGHT` as any send), else a future that is done already.
         """
         copies = [f if isinstance(f, bytes) else memoryview(f).cast("B").tobytes() for f in frames]
+        nbytes = sum(len(c) for c in copies)
         reservation = self.postbox.resource.reserve(MemoryType.HOST, nbytes)
         with self._lock:
-            self._held.setdefault(dest, []).append(copies)
-            self._held_reservations.setdefault(dest, []).append(reservation)
-            held = self._held_bytes[dest] = self._held_bytes.get(dest, 0) + nbytes
-        if held >= HELD_BYTES:
-            sent = self._send_held(dest)
-            if sent is not None:
-                return sent
-        done = SendFuture()
-        done.copied = True
-        done.set_result(None)
-        return done
+            held = self._held.setdefault(dest, _Held())
+            held.counts.append(len(copies))
+            held.frames.extend(copies)
+            held.reservations.append(reservation)
+            held.nbytes += nbytes
+            full = held.nbytes >= HELD_BYTES
+        sent = self._send_held(dest) if full else None
+        return sent if sent is not None else _done(copied=True)
 
     def _send_held(self, dest: int) -> SendFuture | None:
         """Send the chunks held for ``dest`` as one ``"chunks"`` message; ``None`` if none are held."""
         with self._lock:
-            chunks = self._held.pop(dest, None)
-            self._held_bytes.pop(dest, None)
-            reservations = self._held_reservations.pop(dest, [])
-        if not chunks:
+            held = self._held.pop(dest, None)
+        if held is None:
             return None
-        counts = msgpack.packb([len(c) for c in chunks])
-        fut = self.comm.send_nowait(dest, (TAG, self.op_id, "chunks"), [counts, *itertools.chain.from_iterable(chunks)])
+        fut = self.comm.send_nowait(dest, (TAG, self.op_id, "chunks"), [msgpack.packb(held.counts), *held.frames])
         # The bytes are the transport's now (as a copied message's are).
         fut.copied = True
-        for r in reservations:
-            r.release()
+        held.release()
         return fut
 
     def _send_all_held(self) -> None:
@@ -415,7 +402,7 @@ class Shuffler(Run):
 
     # -- receive (progress thread) ---------------------------------------
     def receive(self, src: int, tag: Tag, frames: Frames) -> None:
-        """Handle one message of this run (called on the progress thread)."""
+        """Handle one message of this run (on the progress thread; a small chunk of this rank's own, on the inserting thread)."""
         kind = tag[2]
         if kind == "chunk":
             self._receive_chunk(src, frames)
@@ -611,12 +598,9 @@ class Shuffler(Run):
     def _free(self) -> None:
         with self._lock:
             self._copied_in_flight.clear()
-            self._held.clear()
-            self._held_bytes.clear()
-            reservations = [r for rs in self._held_reservations.values() for r in rs]
-            self._held_reservations.clear()
-        for r in reservations:
-            r.release()
+            held, self._held = list(self._held.values()), {}
+        for h in held:
+            h.release()
         self.postbox.clear()
         self._update_spill_statistics()
 
@@ -629,6 +613,30 @@ class Shuffler(Run):
 
     def _finish(self) -> None:
         self.close()
+
+
+@dataclasses.dataclass
+class _Held:
+    """Small chunks held for one destination (see :data:`SMALL_CHUNK_BYTES`)."""
+
+    #: Frames per chunk, in order; the chunks' frames one after another, copied.
+    counts: list[int] = dataclasses.field(default_factory=list)
+    frames: list[bytes] = dataclasses.field(default_factory=list)
+    #: Their bytes, and what accounts them in the host budget.
+    nbytes: int = 0
+    reservations: list[Reservation] = dataclasses.field(default_factory=list)
+
+    def release(self) -> None:
+        for r in self.reservations:
+            r.release()
+
+
+def _done(*, copied: bool) -> SendFuture:
+    """A send future that is done already (a chunk filed or held here)."""
+    fut = SendFuture()
+    fut.copied = copied
+    fut.set_result(None)
+    return fut
 
 
 def _table_of(pieces: Mapping[int, PackedData]) -> PieceTable:
