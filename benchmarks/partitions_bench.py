@@ -182,12 +182,30 @@ def run_once(client: Client, method: str, n: int, rows: int) -> dict[str, Any]:
     }
 
 
+def _trim() -> int:
+    """``malloc_trim(0)`` in this process (glibc); 0 where there is none."""
+    import ctypes
+
+    try:
+        return int(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return 0
+
+
 def _after(client: Client, pids: list[int], idle: int) -> dict[str, int]:
-    """The workers' RSS once the output is released (and collected): what the run left above idle."""
+    """The workers' RSS once the output is released (and collected): what the run left above idle.
+
+    Also after ``malloc_trim(0)`` on the workers (``retained_trimmed_bytes``):
+    the part of what is left that is only the C allocator's free memory,
+    not yet given back to the system.
+    """
     client.run(__import__("gc").collect)
     time.sleep(1.0)
     after = _rss(pids)
-    return {"after_rss_bytes": after, "retained_bytes": after - idle}
+    client.run(_trim)
+    time.sleep(0.2)
+    trimmed = _rss(pids)
+    return {"after_rss_bytes": after, "retained_bytes": after - idle, "retained_trimmed_bytes": trimmed - idle}
 
 
 def slope(runs: list[dict[str, Any]], key: str) -> float | None:
