@@ -18,6 +18,7 @@ from mpshuffle.memory import BufferResource, MemoryType, Postbox, SpillDirectory
 from mpshuffle.memory import spill as spill_module
 from mpshuffle.memory.packed import PackedPieces, PieceTable, distinct_metadata, packed_nbytes
 from mpshuffle.memory.postbox import Chunk
+from mpshuffle.memory.store import MAP_MIN_BYTES
 from mpshuffle.shuffler import host
 from mpshuffle.shuffler.host import Shuffler, _batches, _chunk_frames, _received_chunk
 from mpshuffle.table import PackedData, partition_owner
@@ -183,13 +184,31 @@ def test_spill_directory_map_ranges_refuses_a_range_past_the_end_and_falls_back_
 def test_spilled_pieces_are_popped_as_views_of_the_mapped_spill_file(tmp_path: Any) -> None:
     res = BufferResource({MemoryType.HOST: 0}, spill_dir=str(tmp_path))
     box = Postbox(res, "mapped")
+    n = MAP_MIN_BYTES // 8 + 100  # int64 values: pieces past the size that is mapped
     for i in range(3):
-        box.add(5, (i, "a", 0, 0), _piece(range(i, i + 1000)))
+        box.add(5, (i, "a", 0, 0), _piece(range(i, i + n)))
     table = box.pop(5)
-    assert [np.frombuffer(p.data, np.int64).tolist() for p in table] == [list(range(i, i + 1000)) for i in range(3)]
+    assert [np.frombuffer(p.data, np.int64).tolist() for p in table] == [list(range(i, i + n)) for i in range(3)]
     assert table.mapped is None  # never given to release_pages: that would punch holes in the file
     assert len(table.buffers) == 3 and all(not np.frombuffer(b, np.uint8).flags.writeable for b in table.buffers)
-    assert box.bytes_unspilled == 3 * 8000 and res.used(MemoryType.DISK) == 0
+    assert box.bytes_unspilled == 3 * 8 * n and res.used(MemoryType.DISK) == 0
+    box.clear()
+    assert os.listdir(tmp_path) == []
+
+
+def test_small_spilled_pieces_are_read_back_into_one_buffer(tmp_path: Any) -> None:
+    res = BufferResource({MemoryType.HOST: 0}, spill_dir=str(tmp_path))
+    box = Postbox(res, "small")
+    for i in range(3):
+        box.add(5, (i, "a", 0, 0), _piece(range(i, i + 1000)))
+    box.add(5, (3, "a", 0, 0), _piece(range(MAP_MIN_BYTES // 8)))  # one large piece among them
+    table = box.pop(5)
+    assert [np.frombuffer(p.data, np.int64).tolist() for p in table] == [
+        *(list(range(i, i + 1000)) for i in range(3)), list(range(MAP_MIN_BYTES // 8))
+    ]
+    assert table.mapped is None
+    assert len(table.buffers) == 2  # the three small pieces share one read buffer; the large one is mapped
+    assert box.bytes_unspilled == 3 * 8000 + MAP_MIN_BYTES and res.used(MemoryType.DISK) == 0
     box.clear()
     assert os.listdir(tmp_path) == []
 

@@ -10,7 +10,7 @@ import pytest
 
 from mpshuffle.errors import SpillError
 from mpshuffle.memory import BufferResource, MemoryType, SpillDirectory
-from mpshuffle.memory.store import TIERS, DiskTier, admits, over, spill_down, to_host
+from mpshuffle.memory.store import MAP_MIN_BYTES, TIERS, DiskTier, admits, over, spill_down, to_host
 
 
 class FakeBuffer:
@@ -183,6 +183,36 @@ def test_disk_tier_round_trips_aligned_ranges_in_one_file(tmp_path: Any) -> None
     disk.remove()  # idempotent
     with pytest.raises(SpillError, match="already removed"):
         disk.put([b"a"])
+
+
+def test_disk_tier_view_maps_large_ranges_and_reads_small_ones_into_one_buffer(tmp_path: Any) -> None:
+    disk = DiskTier(SpillDirectory(str(tmp_path / "d")))
+    rng = np.random.default_rng(7)
+    sizes = [MAP_MIN_BYTES + 5, 20_000, 0, MAP_MIN_BYTES - 1, 3 * MAP_MIN_BYTES, 17]
+    data = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    ranges = disk.put(data)
+    order = [4, 1, 2, 0, 5, 3]
+    views = disk.view([ranges[k] for k in order])
+    assert len(views) == len(order)
+    for k, (buf, at) in zip(order, views, strict=True):
+        assert bytes(np.asarray(buf)[at : at + sizes[k]]) == data[k].tobytes()
+    by_size = dict(zip([sizes[k] for k in order], views, strict=True))
+    small = [by_size[n][0] for n in (20_000, 0, MAP_MIN_BYTES - 1, 17)]
+    assert all(b is small[0] for b in small)  # the small ranges share one read buffer
+    large = [by_size[n][0] for n in (MAP_MIN_BYTES + 5, 3 * MAP_MIN_BYTES)]
+    if disk.directory.map_ranges([ranges[0]]) is not None:  # this system maps spill files
+        assert all(b is not small[0] for b in large) and large[0] is not large[1]
+        assert all(not b.flags.writeable for b in large)
+    else:
+        assert all(b is small[0] for b in large)
+    assert disk.bytes_read == sum(sizes)
+    # Only small ranges, and only large ones: the same bytes.
+    for pick in ([1, 5], [0, 4]):
+        got = disk.view([ranges[k] for k in pick])
+        assert [bytes(np.asarray(b)[at : at + sizes[k]]) for k, (b, at) in zip(pick, got, strict=True)] == [
+            data[k].tobytes() for k in pick
+        ]
+    disk.remove()
 
 
 def test_to_host_copies() -> None:
