@@ -12,7 +12,10 @@ import pytest
 
 from mpshuffle.demo import bench
 
-NOTE = "matplotlib not installed (pip install mpshuffle[bench]); no plot written"
+NOTE = (
+    'matplotlib not installed (pip install -e ".[bench]" in a clone of mpshuffle, or pip install '
+    '"mpshuffle[bench]"); no plot written'
+)
 
 
 def _case(gb: float, mb_per_s: dict[str, tuple[float, float]]) -> dict[str, Any]:
@@ -143,6 +146,35 @@ def test_lineitem_reuses_only_a_finished_generation(tmp_path: Path) -> None:
     df, _ = bench._lineitem(0.001, 2, str(tmp_path))
     assert df.npartitions == 2
     assert int(df.shape[0].compute(scheduler="sync")) == expected
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_run_removes_its_temporary_data_dir_and_keeps_a_given_one(
+    given: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where TemporaryDirectory makes its folder
+    given_dir = tmp_path / "data"
+    seen: list[str] = []
+
+    def fake_cases(args: Any, cases: Any, results: Any, data_dir: str) -> None:
+        seen.append(data_dir)
+        (Path(data_dir) / "sf1-p2").mkdir(parents=True)  # what a lineitem generation leaves
+
+    monkeypatch.setattr(bench, "_run_cases", fake_cases)
+    args = argparse.Namespace(
+        data_dir=str(given_dir) if given else None, output=str(tmp_path / "out.json"), sizes=[0.01],
+        workers=[2], partitions=[4], gb_per_worker=None, lineitem_sf=None, repeats=2,
+    )
+    results = bench.run(args)
+    assert results["cases"] == [] and len(seen) == 1
+    if given:
+        assert seen == [str(given_dir)] and (given_dir / "sf1-p2").is_dir()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    else:
+        assert Path(seen[0]).name.startswith("mpshuffle-bench-") and Path(seen[0]).parent == tmp_path
+        assert not Path(seen[0]).exists() and list(tmp_path.iterdir()) == []
 
 
 def test_lineitem_in_one_partition(tmp_path: Path) -> None:

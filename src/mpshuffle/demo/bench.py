@@ -41,6 +41,7 @@ TPC-H lineitem); results go to a JSON file and, with matplotlib installed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -398,14 +399,22 @@ def versions() -> dict[str, str]:
 
 def run(args: Any) -> dict[str, Any]:
     """Run every case of the sweep; return the results (also written as JSON)."""
+    cases = _cases(args)
+    results: dict[str, Any] = {"versions": versions(), "args": vars(args),
+                               "plot": _plot_path(args.output, cases), "cases": []}
+    # Generated lineitem goes to --data-dir if given (kept), else to a temporary directory removed at the end.
+    kept = args.data_dir is not None
+    with contextlib.nullcontext(args.data_dir) if kept else tempfile.TemporaryDirectory(prefix="mpshuffle-bench-") as data_dir:
+        _run_cases(args, cases, results, data_dir)
+    return results
+
+
+def _run_cases(args: Any, cases: list[dict[str, Any]], results: dict[str, Any], data_dir: str) -> None:
+    """Run ``cases`` (clusters by worker count), appending each case's results to ``results`` and writing them."""
     from distributed import Client, LocalCluster, wait
 
     from mpshuffle.dask import bootstrap_dask_cluster
 
-    cases = _cases(args)
-    results: dict[str, Any] = {"versions": versions(), "args": vars(args),
-                               "plot": _plot_path(args.output, cases), "cases": []}
-    data_dir = tempfile.mkdtemp(prefix="mpshuffle-bench-") if args.data_dir is None else args.data_dir
     total = len(cases) * args.repeats * len(METHODS)
     bar = progress_bar(total, "bench", "shuffle", args.no_progress)
     by_workers: dict[int, list[dict[str, Any]]] = {}
@@ -447,7 +456,6 @@ def run(args: Any) -> dict[str, Any]:
                 results["cases"].append(out)
                 _write(results, args.output)
     bar.close()
-    return results
 
 
 def _plot_path(output: str, cases: Sequence[dict[str, Any]]) -> str | None:
@@ -462,7 +470,8 @@ def _plot_path(output: str, cases: Sequence[dict[str, Any]]) -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("matplotlib not installed (pip install mpshuffle[bench]); no plot written", flush=True)
+        print('matplotlib not installed (pip install -e ".[bench]" in a clone of mpshuffle, or pip install '
+              '"mpshuffle[bench]"); no plot written', flush=True)
         return None
     return os.path.splitext(output)[0] + ".png"
 
@@ -543,7 +552,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also shuffle TPC-H lineitem of this scale factor (> 0) on l_orderkey")
     parser.add_argument("--data-dir", default=None,
                         help="where tpchgen-cli writes lineitem, one folder per scale factor and partition "
-                             "count; a finished generation there is reused (default: a temporary dir)")
+                             "count; a finished generation there is reused and kept (default: a temporary dir, "
+                             "removed at the end)")
     parser.add_argument("--output", "-o", default="benchmarks/results/bench.json",
                         help="JSON file; the plot goes next to it as .png")
     parser.add_argument("--no-warmup", action="store_true",
