@@ -164,10 +164,11 @@ def check_npartitions(npartitions: Any) -> int:
     limit = max_npartitions()
     if npartitions > limit:
         raise ValueError(
-            f"npartitions={int(npartitions)} is more than mpshuffle.max-npartitions ({limit}): every "
-            "output partition is a task that Dask's scheduler places and tracks (about 1 ms each), "
-            "so the graph alone would take minutes before any data moves. If you mean it, raise "
-            f"the limit: dask.config.set({{'mpshuffle.max-npartitions': {int(npartitions)}}})"
+            f"npartitions={int(npartitions)} is more than mpshuffle.max-npartitions ({limit}), the "
+            "guard against graphs too large to schedule: every output partition is a task that Dask's "
+            f"scheduler places and tracks (about 1 ms each, so ~{int(npartitions) / 1000:,.1f} s of "
+            "scheduling here before the data moves). If you mean it, raise the limit: "
+            f"dask.config.set({{'mpshuffle.max-npartitions': {int(npartitions)}}})"
         )
     return int(npartitions)
 
@@ -228,8 +229,10 @@ def shuffle_graph(
     Returns
     -------
     graph : dict
-        Tasks keyed by ``(name-insert-token, i)``, ``name-barrier-token`` and
-        ``(name-extract-token, j)``; the input keys' own tasks are not included.
+        Tasks keyed by ``name-start-token`` (the run's start, which every
+        insert depends on), ``(name-insert-token, i)``, ``name-barrier-token``
+        and ``(name-extract-token, j)``; the input keys' own tasks are not
+        included.
     keys : list
         The output keys ``(name-extract-token, j)``, ``j`` in ``range(npartitions)``.
 

@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import platform
 import tempfile
@@ -415,6 +416,9 @@ def _run_cases(args: Any, cases: list[dict[str, Any]], results: dict[str, Any], 
 
     from mpshuffle.dask import bootstrap_dask_cluster
 
+    # P2P's scheduler plugin logs each shuffle's start and end as WARNINGs (the
+    # LocalCluster's scheduler runs in this process); the table says what ran.
+    logging.getLogger("distributed.shuffle").setLevel(logging.ERROR)
     total = len(cases) * args.repeats * len(METHODS)
     bar = progress_bar(total, "bench", "shuffle", args.no_progress)
     by_workers: dict[int, list[dict[str, Any]]] = {}
@@ -605,6 +609,8 @@ def report(results: dict[str, Any]) -> str:
             )
         lines.append(f"{'':<34} bootstrap {c['bootstrap_seconds']:.3f} s, mpshuffle spilled "
                      f"{s['mpshuffle'].get('bytes_spilled_max', 0) / 1e6:.0f} MB")
+    lines.append("  sys: the system (kernel) share of the workers' CPU; x mps: mpshuffle's MB/s over the "
+                 "method's, worst/median/best pairing of runs")
     return "\n".join(lines)
 
 
