@@ -985,6 +985,43 @@ def test_owned_frames_not_built_directly_where_to_pandas_differs() -> None:
     assert mod._direct_frame(table, table.schema) is None
 
 
+@pytest.mark.parametrize("dtype", ["Int64", "string", "boolean"])
+def test_a_kept_extension_index_keeps_its_dtype_and_values_across_pieces_of_several_inputs(dtype: str) -> None:
+    # Pieces of several input partitions are concatenated before conversion; the
+    # index came back as float64 (Int64 with NA: 2**53 + 1 rounded), str or object.
+    adapter = PandasAdapter(index=True)
+    values = {
+        "Int64": [2**53 + 1, None, 3, -4, 5, None, 7, 2**62],
+        "string": ["a", None, "c", "d", "é", None, "", "h"],
+        "boolean": [True, None, False, True, None, False, True, False],
+    }[dtype]
+    frame = pd.DataFrame({"key": [0, 1, 2, 3, 0, 1, 2, 3], "v": np.arange(8.0)},
+                         index=pd.Index(pd.array(values, dtype=dtype), name="ix"))
+    inputs = [frame.iloc[:4], frame.iloc[4:]]
+    split = [adapter.split(part, ["key"], 2) for part in inputs]
+    meta = frame.iloc[:0]
+    for pid in (0, 1):
+        got = adapter.unpack([s[pid] for s in split if pid in s], meta)
+        expected = pd.concat([part[partition_ids(part[["key"]], 2) == pid] for part in inputs])
+        pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True)
+        assert got.index.dtype == frame.index.dtype
+
+
+def test_a_kept_index_that_does_not_fit_the_meta_is_named_or_kept() -> None:
+    adapter = PandasAdapter(index=True)
+    frame = pd.DataFrame({"key": [0, 1]}, index=pd.Index(["a", "b"], name="ix"))
+    meta = pd.DataFrame({"key": pd.Series([], dtype=np.int64)}, index=pd.Index([], dtype=np.int64, name="ix"))
+    pieces = list(adapter.split(frame, ["key"], 1).values())
+    with pytest.raises(ShuffleError, match="the index"):
+        adapter.unpack(pieces, meta)
+    kept = adapter.unpack(pieces, meta, on_lossy_cast="keep")
+    assert kept.index.tolist() == ["a", "b"] and kept.index.dtype != np.int64
+    # A lossless difference is cast: int32 values under an int64 meta.
+    frame32 = pd.DataFrame({"key": [0, 1]}, index=pd.Index(np.array([7, 9], np.int32), name="ix"))
+    got = adapter.unpack(list(adapter.split(frame32, ["key"], 1).values()), meta)
+    assert got.index.dtype == np.int64 and got.index.tolist() == [7, 9]
+
+
 def test_unpack_of_gathered_pieces_keeps_the_index_dtypes_and_order() -> None:
     adapter = PandasAdapter(index=True)
     rng = np.random.default_rng(3)
@@ -1044,8 +1081,21 @@ def test_unpack_casts_the_direct_frame_toward_the_meta() -> None:
         pd.Index(np.arange(30) % 2 == 0, name="flag", dtype=bool),
         pd.Index([f"r{i}" for i in range(30)], name="s"),
         pd.MultiIndex.from_arrays([np.arange(30, dtype=np.int32), [f"m{i % 4}" for i in range(30)]], names=["a", "b"]),
+        # Extension dtypes, with missing values and integers past float64's 2**53.
+        pd.Index(pd.array([2**53 + i if i % 5 else None for i in range(30)], dtype="Int64"), name="I64"),
+        pd.Index(pd.array([2**53 + i for i in range(30)], dtype="Int64"), name="I64-full"),
+        pd.Index(pd.array([i / 4 if i % 3 else None for i in range(30)], dtype="Float64"), name="F64"),
+        pd.Index(pd.array([bool(i % 2) if i % 7 else None for i in range(30)], dtype="boolean"), name="b"),
+        pd.Index(pd.array([f"s{i}" if i % 4 else None for i in range(30)], dtype="string"), name="ss"),
+        pd.Index(pd.array([f"s{i}" for i in range(30)], dtype="string[pyarrow]"), name="sp"),
+        pd.Index(pd.array([i if i % 6 else None for i in range(30)], dtype="int32[pyarrow]"), name="ai"),
+        pd.Index(pd.date_range("2026-01-01", periods=30, freq="h", tz="Europe/Oslo"), name="t"),
+        pd.MultiIndex.from_arrays(
+            [pd.array([2**53 + i if i % 5 else None for i in range(30)], dtype="Int64"),
+             pd.array([f"m{i % 4}" if i % 3 else None for i in range(30)], dtype="string")], names=["a", "b"]),
     ],
-    ids=["uint8", "float64", "bool", "str", "int32-and-str-levels"],
+    ids=["uint8", "float64", "bool", "str", "int32-and-str-levels", "Int64-with-NA", "Int64", "Float64", "boolean",
+         "string", "string-pyarrow", "arrow-int32", "datetime-tz", "Int64-and-string-levels"],
 )
 def test_kept_index_levels_of_every_kind_come_back(index: pd.Index) -> None:
     adapter = PandasAdapter(index=True)

@@ -333,13 +333,14 @@ class DiskTier:
             If the file cannot be read or ends early.
         """
         large = [k for k, (_, nbytes) in enumerate(ranges) if nbytes >= MAP_MIN_BYTES]
-        mapped: list[tuple[Any, int]] | None = []
+        mapped: list[tuple[Any, int]] = []
         if large:
             t0 = time.perf_counter()
-            mapped = self.directory.map_ranges([ranges[k] for k in large])
-            if mapped is None:
+            got = self.directory.map_ranges([ranges[k] for k in large])
+            if got is None:
                 buf, positions = self.read(ranges)
                 return [(buf, at) for at in positions]
+            mapped = got
             self.seconds_read += time.perf_counter() - t0
             self.bytes_read += sum(ranges[k][1] for k in large)
         if len(large) == len(ranges):
