@@ -186,12 +186,14 @@ def max_npartitions() -> int:
     value = dask.config.get("mpshuffle.max-npartitions", default=None)
     if value is None:
         value = dask.config.get("mpshuffle.max_npartitions", default=DEFAULT_MAX_NPARTITIONS)
+    bad = OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}")
+        raise bad
     try:
-        n = int(value)
-    except ValueError:
-        raise OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}") from None
-    if n < 1 or n != float(value):
-        raise OptionError(f"option 'max-npartitions' must be a whole number >= 1, got {value!r}")
+        # An int as it is; a float or a string ("1e5" too) when it is a whole, finite number.
+        n = value if isinstance(value, int) else int(float(value))
+    except (ValueError, OverflowError):
+        raise bad from None
+    if n < 1 or (not isinstance(value, int) and n != float(value)):
+        raise bad
     return n

@@ -23,6 +23,10 @@ __all__ = ["MAX_TIMEOUT", "MIN_HOST_BUDGET", "RUN_OPTIONS", "WORKER_OPTIONS", "O
 # past threading.TIMEOUT_MAX overflow.
 MAX_TIMEOUT = 365 * 24 * 3600.0
 
+# Most bytes a byte-sized option may give: options travel to the workers as
+# msgpack integers and are used in int64 arithmetic (2**63 - 1: 8 EiB).
+MAX_BYTES = 2**63 - 1
+
 # Byte units: decimal (kB = 1000) and binary (KiB = 1024), case-insensitive.
 _UNITS = {
     "": 1, "b": 1,
@@ -290,6 +294,8 @@ def _bytes(name: str, value: Any) -> int:
         raise OptionError(f"option {name!r} must be a number of bytes, got {value!r}") from None
     if n <= 0:
         raise OptionError(f"option {name!r} must be a positive number of bytes, got {value!r}")
+    if n > MAX_BYTES:
+        raise OptionError(f"option {name!r} must be at most {MAX_BYTES} bytes (2**63 - 1), got {value!r}")
     return n
 
 
@@ -339,4 +345,4 @@ def _spill_host(value: Any) -> float | int:
             f"option 'spill_host' must be a fraction in (0, 1] of the worker's memory_limit or a "
             f"whole number of bytes, got {value!r}"
         )
-    return int(value)
+    return _bytes("spill_host", int(value))

@@ -143,6 +143,14 @@ def test_the_limit_is_inclusive_and_can_be_raised() -> None:
         assert resolve_options() == resolve_options(timeout=300)
     with dask.config.set({"mpshuffle.max-npartitions": "many"}), pytest.raises(OptionError, match="max-npartitions"):
         shuffle(df, "k", npartitions=2)
+    # Not finite, not whole, below 1: an OptionError, never an OverflowError from int().
+    for bad in (float("inf"), float("nan"), "inf", 2.5, "2.5", 0, -3, True):
+        with dask.config.set({"mpshuffle.max-npartitions": bad}), pytest.raises(OptionError, match="max-npartitions"):
+            shuffle(df, "k", npartitions=2)
+    # A whole number given as a float or a string in any notation is the number.
+    for good in (150_000.0, "150000", "1.5e5"):
+        with dask.config.set({"mpshuffle.max-npartitions": good}):
+            assert shuffle(df, "k", npartitions=150_000).npartitions == 150_000
 
 
 def test_the_output_collection_is_tokenized_without_its_tasks() -> None:

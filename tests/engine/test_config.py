@@ -148,6 +148,12 @@ def test_a_fractional_budget_leaves_half_of_what_the_worker_manager_leaves() -> 
         ("batch_bytes", float("inf"), "'batch_bytes' must be a number of bytes"),
         ("batch_bytes", float("nan"), "'batch_bytes' must be a number of bytes"),
         ("batch_bytes", 1.5, "'batch_bytes' must be a number of bytes"),
+        # Past int64: refused here, not by msgpack in the bootstrap of every shuffle.
+        ("batch_bytes", 2**64, "'batch_bytes' must be at most 9223372036854775807 bytes"),
+        ("batch_bytes", 1e30, "'batch_bytes' must be at most"),
+        ("batch_bytes", "20000000 TiB", "'batch_bytes' must be at most"),
+        ("spill_host", 2**64, "'spill_host' must be at most"),
+        ("spill_host", 1e30, "'spill_host' must be at most"),
         ("timeout", True, "'timeout' must be a positive number of seconds"),
         ("bootstrap_timeout", False, "'bootstrap_timeout' must be a positive number of seconds"),
         ("spill_device", True, "'spill_device' must be a number in \\(0, 1\\]"),
