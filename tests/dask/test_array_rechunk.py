@@ -22,6 +22,7 @@ from mpshuffle.dask import bootstrap_dask_cluster, gather_statistics, graph
 from mpshuffle.dask import rechunk as rechunk_module
 from mpshuffle.dask.method import UnsupportedDaskError
 from mpshuffle.dask.runtime import LocalRuntime
+from mpshuffle.errors import ShuffleError
 
 MP = {"array.rechunk.method": "mpshuffle"}
 
@@ -159,6 +160,22 @@ def test_refusals_are_clear(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(UnsupportedDaskError, match="2099.1.0"):
         da.ones((4, 4), chunks=(1, 4)).rechunk((4, 1), method="mpshuffle")
     da.ones((4, 4), chunks=(1, 4)).rechunk((4, 1), method="tasks")  # other methods unaffected
+
+
+def _masked(block: np.ndarray) -> np.ndarray:
+    return np.ma.masked_array(block, mask=block % 2 == 0)
+
+
+@pytest.mark.parametrize("target", [(8, 8), (8, 1)], ids=["assembled-without-exchange", "exchanged"])
+def test_masked_blocks_under_a_plain_meta_fail_naming_their_type(target: tuple[int, int]) -> None:
+    # The meta says numpy.ndarray, so the graph is built; the blocks are masked.
+    # Assembling (8, 8) from rows without an exchange returned a plain array with
+    # every mask dropped; both paths now refuse the block, naming its type.
+    x = da.from_array(np.arange(64).reshape(8, 8), chunks=(1, 8)).map_blocks(
+        _masked, meta=np.empty((0, 0), dtype=np.int64)
+    )
+    with pytest.raises(ShuffleError, match="numpy.ma.MaskedArray; mpshuffle rechunks arrays whose blocks are plain"):
+        x.rechunk(target, method="mpshuffle").compute(scheduler="sync")
 
 
 def test_extract_tasks_are_not_fused() -> None:

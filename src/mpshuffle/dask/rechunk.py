@@ -57,7 +57,12 @@ zero-size chunks, and axes of unknown chunk sizes (NaN) that the rechunk
 leaves as they are (Dask's rule). Blocks of dtypes holding Python objects
 (``object``, structured dtypes with object fields) travel pickled. Arrays
 whose blocks are not ``numpy.ndarray`` (masked, sparse, CuPy) are refused
-with a ``TypeError``.
+with a ``TypeError`` when the graph is built (from the array's meta); a
+block that turns out not to be one when it is computed (a meta that does
+not match the blocks) fails its task with a
+:class:`~mpshuffle.errors.ShuffleError` naming the block's type, in the
+exchange and in a task assembling an output block from several input
+blocks alike (never an output with the masks or the type dropped).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ from dask.base import tokenize
 from mpshuffle.dask.dataframe import graph_options
 from mpshuffle.dask.graph import Inserted, ShuffleSpec, barrier, check_npartitions, extract, insert
 from mpshuffle.dask.method import METHOD, check_dask_version
+from mpshuffle.errors import ShuffleError
 from mpshuffle.options import Options
 from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter
 
@@ -553,7 +559,19 @@ def _take(block: Any, slices: tuple[slice, ...]) -> Any:
 
 
 def _assemble(layout: tuple[tuple[tuple[slice, ...], tuple[int, ...]], ...], *blocks: Any) -> Any:
-    """An output block made of slices of several input blocks, placed at their offsets."""
+    """An output block made of slices of several input blocks, placed at their offsets.
+
+    Raises
+    ------
+    ShuffleError
+        If a block is not a plain ``numpy.ndarray`` (its mask or type would be lost).
+    """
+    for block in blocks:
+        if type(block) is not np.ndarray:
+            raise ShuffleError(
+                f"rechunk input block is a {type(block).__module__}.{type(block).__qualname__}; "
+                "mpshuffle rechunks arrays whose blocks are plain numpy.ndarray"
+            )
     parts = [block[slices] for block, (slices, _) in zip(blocks, layout, strict=True)]
     ndim = len(layout[0][0])
     extent = tuple(
