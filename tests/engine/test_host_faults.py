@@ -129,6 +129,27 @@ def test_sends_to_every_rank_that_stopped_reading_are_named(
     assert "rank 0 (mem://0), rank 2 (mem://2) did not take a chunk from rank 1" in str(info.value)
 
 
+@pytest.mark.parametrize("ranks", ["waits"], indirect=True)
+def test_a_chunk_for_the_own_rank_that_is_not_filed_blames_its_own_progress_thread(
+    ranks: tuple[list[Shuffler], set[int], threading.Event],
+) -> None:
+    # A rank's own chunks go through its own progress thread (a tiny timeout
+    # on a busy worker); the error said "rank 1 did not take a chunk from
+    # rank 1 (it stopped reading)". The message the insert raises, for its
+    # own rank and a peer that stopped reading:
+    shufflers, _, _ = ranks
+    with pytest.raises(ShuffleTimeoutError) as info:
+        shufflers[1]._raise_unsent([2, 1], 0.3)
+    message = str(info.value)
+    assert info.value.missing == (1, 2)
+    assert "rank 2 (mem://2) did not take a chunk from rank 1 within 0.3 s (it stopped reading)" in message
+    assert "rank 1's own progress thread did not file a chunk for rank 1 within 0.3 s" in message
+    assert "did not take a chunk from rank 1 within 0.3 s (it stopped reading)" not in message.split(";")[1]
+    with pytest.raises(ShuffleTimeoutError) as info:
+        shufflers[1]._raise_unsent([1], 0.3)
+    assert "did not take" not in str(info.value) and info.value.missing == (1,)
+
+
 def test_healthy_ranks_shuffle_exactly(ranks: tuple[list[Shuffler], set[int], threading.Event]) -> None:
     """The same group without a frozen rank: every row arrives once (the harness is sound).
 

@@ -322,12 +322,20 @@ class Shuffler(Run):
         transport's buffers are full), so the error names the destination,
         not this rank.
         """
-        who = ", ".join(self.comm.describe(d) for d in sorted(dests))
-        raise ShuffleTimeoutError(
-            f"shuffle op {self.op_id}: {who} did not take a chunk from rank {self.comm.rank} within "
-            f"{timeout:g} s (it stopped reading)",
-            missing=tuple(sorted(dests)),
-        )
+        me = self.comm.rank
+        others = [d for d in sorted(dests) if d != me]
+        parts = []
+        if others:
+            who = ", ".join(self.comm.describe(d) for d in others)
+            parts.append(f"{who} did not take a chunk from rank {me} within {timeout:g} s (it stopped reading)")
+        if me in dests:
+            # A chunk for this rank goes through its own progress thread: that
+            # thread, not a peer, was too slow for the timeout.
+            parts.append(
+                f"rank {me}'s own progress thread did not file a chunk for rank {me} within {timeout:g} s "
+                "(the worker is too busy for the timeout, or the timeout is too short)"
+            )
+        raise ShuffleTimeoutError(f"shuffle op {self.op_id}: " + "; ".join(parts), missing=tuple(sorted(dests)))
 
     def _send_chunk(
         self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64]
