@@ -58,9 +58,10 @@ __all__ = ["MAP_MIN_BYTES", "TIERS", "DiskTier", "Spillable", "admits", "over", 
 TIERS = (MemoryType.DEVICE, MemoryType.HOST, MemoryType.DISK)
 
 #: Spilled ranges of at least this many bytes are mapped for reading (:meth:`DiskTier.view`); smaller
-#: ones are read into one buffer. On the 2-core development VM, reading 300 MB of 20 KiB ranges from
-#: the page cache with a second thread of the process busy took 0.53 s read against 1.38 s mapped, of
-#: 200 KB ranges 0.17 against 0.22 s, of 512 KiB ranges 0.19 against 0.10 s
+#: ones are read into one buffer. On the 2-core development VM (``benchmarks/spill_read_paths.py``: 300 MB
+#: of ranges from the page cache, a second thread of the process busy, the reading thread's CPU seconds,
+#: medians of 3), read against mapped: 20 KB ranges 0.12 against 0.60, 64 KiB 0.11 against 0.22, 200 KB
+#: 0.076 against 0.086, 512 KiB 0.062 against 0.045, 1 MiB 0.058 against 0.037
 #: (``benchmarks/results/README.md``, session 23).
 MAP_MIN_BYTES = 256 * 1024
 
