@@ -1007,6 +1007,19 @@ def test_a_kept_extension_index_keeps_its_dtype_and_values_across_pieces_of_seve
         assert got.index.dtype == frame.index.dtype
 
 
+def test_an_index_is_rebuilt_from_arrow_only_from_its_own_arrow_type() -> None:
+    from mpshuffle.table.pandas import _arrow_type_fits
+
+    # __from_arrow__ of a string dtype turns integers into text; only a column of
+    # the meta dtype's own Arrow type is rebuilt that way.
+    assert _arrow_type_fits(pa.int64(), pd.Int64Dtype())
+    assert _arrow_type_fits(pa.string(), pd.StringDtype()) and _arrow_type_fits(pa.large_string(), pd.StringDtype())
+    assert _arrow_type_fits(pa.bool_(), pd.BooleanDtype())
+    assert not _arrow_type_fits(pa.int64(), pd.StringDtype())
+    assert not _arrow_type_fits(pa.bool_(), pd.ArrowDtype(pa.int64()))
+    assert not _arrow_type_fits(pa.int32(), pd.Int64Dtype())
+
+
 def test_a_kept_index_that_does_not_fit_the_meta_is_named_or_kept() -> None:
     adapter = PandasAdapter(index=True)
     frame = pd.DataFrame({"key": [0, 1]}, index=pd.Index(["a", "b"], name="ix"))

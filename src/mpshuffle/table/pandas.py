@@ -434,6 +434,26 @@ def _direct_frame(table: pa.Table, schema: pa.Schema | None = None) -> pd.DataFr
     return out
 
 
+def _arrow_type_fits(arrow_type: pa.DataType, dtype: Any) -> bool:
+    """Whether a column of ``arrow_type`` is what pandas ``dtype`` holds in Arrow (string types: any of them)."""
+    expected = _arrow_type_of(dtype)
+    if expected is None:
+        return False
+    if arrow_type == expected:
+        return True
+    strings = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+    return any(t(arrow_type) for t in strings) and any(t(expected) for t in strings)
+
+
+@lru_cache(maxsize=256)
+def _arrow_type_of(dtype: Any) -> pa.DataType | None:
+    """The Arrow type pandas gives an empty array of ``dtype``; ``None`` if Arrow cannot hold it."""
+    try:
+        return pa.array(pd.array([], dtype=dtype)).type
+    except (TypeError, ValueError, NotImplementedError, pa.ArrowException):
+        return None
+
+
 def _same_index_dtype(have: Any, want: Any) -> bool:
     try:  # numpy cannot parse some Arrow dtypes' names ("data type not understood")
         return bool(have == want)
@@ -728,7 +748,10 @@ class PandasAdapter(FrameAdapter):
                 continue
             from_arrow = getattr(want, "__from_arrow__", None)
             exact = None
-            if from_arrow is not None and columns:
+            # Only from a column of the Arrow type the meta's dtype has: __from_arrow__
+            # also converts others (a string dtype turns integers into text), which a
+            # meta that is wrong about the data must not do.
+            if from_arrow is not None and columns and _arrow_type_fits(table.column(columns[k]).type, want):
                 try:
                     exact = from_arrow(table.column(columns[k]))
                 except (TypeError, ValueError, NotImplementedError, pa.ArrowException):
