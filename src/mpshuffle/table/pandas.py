@@ -54,7 +54,7 @@ from mpshuffle.table._columns import (
     scratch_empty,
 )
 from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids
-from mpshuffle.table._reconcile import cast_lossless, check_columns, reconcile
+from mpshuffle.table._reconcile import check_columns, reconcile
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import PandasRowHash, pandas_row_ids, partition_ids
 
@@ -446,6 +446,20 @@ def _arrow_type_fits(arrow_type: pa.DataType, dtype: Any) -> bool:
 
 
 @lru_cache(maxsize=256)
+def _extension_dtype(name: Any) -> Any:
+    """The pandas extension dtype a pandas-metadata ``numpy_type`` names, if it converts from Arrow; else ``None``."""
+    if not isinstance(name, str):
+        return None
+    try:
+        dtype = pd.api.types.pandas_dtype(name)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(dtype, pd.api.extensions.ExtensionDtype) or not hasattr(dtype, "__from_arrow__"):
+        return None
+    return dtype
+
+
+@lru_cache(maxsize=256)
 def _arrow_type_of(dtype: Any) -> pa.DataType | None:
     """The Arrow type pandas gives an empty array of ``dtype``; ``None`` if Arrow cannot hold it."""
     try:
@@ -692,7 +706,7 @@ class PandasAdapter(FrameAdapter):
         if not pieces:
             return self.empty_like(meta)
         if all(is_cols(m) for m in distinct_metadata(pieces)):
-            frame, dtypes = self._unpack_cols(pieces, meta, on_lossy_cast)
+            frame, dtypes = self._unpack_cols(pieces, meta)
             return reconcile(frame, meta, on_lossy_cast, dtypes=dtypes)
         headers = [Header.decode(p.metadata) for p in pieces]
         if all(h.fmt == ARROW for h in headers):
@@ -701,79 +715,61 @@ class PandasAdapter(FrameAdapter):
                 check_columns(self._restored(_data_fields(table), header), meta)
             try:
                 table = pa.concat_tables(tables, promote_options="default")
-                frame = self._index_as_meta(self._to_pandas(table, headers[0]), table, meta, on_lossy_cast)
+                frame = self._index_as_sent(self._to_pandas(table, headers[0]), table)
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 # Types Arrow cannot unify: let pandas concatenate (to object)
                 # and reconcile name the column that does not fit the meta.
-                frame = self._concat_frames(pieces, meta, on_lossy_cast)
+                frame = self._concat_frames(pieces, meta)
         else:
-            frame = self._concat_frames(pieces, meta, on_lossy_cast)
+            frame = self._concat_frames(pieces, meta)
         return reconcile(frame, meta, on_lossy_cast)
 
-    def _index_as_meta(self, frame: pd.DataFrame, table: pa.Table, meta: pd.DataFrame, on_lossy_cast: str) -> pd.DataFrame:
-        """``frame`` (converted from ``table``) with ``meta``'s index dtypes (every level), where the index is kept.
+    def _index_as_sent(self, frame: pd.DataFrame, table: pa.Table) -> pd.DataFrame:
+        """``frame`` (converted from ``table``) with each kept index level in the dtype it was sent with.
 
-        Arrow keeps each index level as a column, and the conversion back
-        gives it the NumPy dtype of its Arrow type: a nullable ``Int64``
-        index with missing values came back ``float64`` (integers above 2**53
-        rounded), a ``string`` one as pandas' default ``str``, a ``boolean``
-        one as ``object``. Where the meta's dtype of a level converts from
-        Arrow (``__from_arrow__``: pandas' nullable and Arrow-backed dtypes)
-        the level is rebuilt from its Arrow column, exactly; otherwise its
-        values are cast when no value changes (as :func:`reconcile` casts
-        columns), or, with ``on_lossy_cast="keep"``, keep their dtype.
-
-        Raises
-        ------
-        ShuffleError
-            If the index's values do not fit the meta's dtype and
-            ``on_lossy_cast`` is ``"raise"``.
+        Arrow keeps each index level as a column, and its conversion back
+        gives a level the NumPy dtype of its Arrow type even where the pieces'
+        pandas metadata names an extension dtype (it restores those for
+        columns only): a nullable ``Int64`` index with missing values came
+        back ``float64`` (integers above 2**53 rounded), a ``string`` one as
+        pandas' default ``str``, a ``boolean`` one as ``object``. A level
+        whose metadata names an extension dtype that converts from Arrow
+        (``__from_arrow__``), from a column of that dtype's own Arrow type, is
+        rebuilt from the column, exactly. The meta's index dtype is not a
+        target: Dask's task shuffle returns the index as it was sent, and so
+        does this (other levels are left as converted).
         """
-        if not self.index or meta.index.nlevels != frame.index.nlevels:
-            return frame
-        nlevels = frame.index.nlevels
-        wants = list(meta.index.dtypes) if nlevels > 1 else [meta.index.dtype]
-        haves = list(frame.index.dtypes) if nlevels > 1 else [frame.index.dtype]
-        if all(_same_index_dtype(h, w) for h, w in zip(haves, wants, strict=True)):
+        if not self.index:
             return frame
         pandas_meta = table.schema.pandas_metadata or {}
-        columns = [c for c in pandas_meta.get("index_columns") or [] if isinstance(c, str)]
-        if len(columns) != nlevels or any(table.column_names.count(c) != 1 for c in columns):
-            columns = []  # a RangeIndex kept as metadata, or names not found: cast the values
-        levels = []
-        for k, (have, want) in enumerate(zip(haves, wants, strict=True)):
-            values = frame.index.get_level_values(k)
-            if _same_index_dtype(have, want):
-                levels.append(values)
-                continue
-            from_arrow = getattr(want, "__from_arrow__", None)
-            exact = None
-            # Only from a column of the Arrow type the meta's dtype has: __from_arrow__
-            # also converts others (a string dtype turns integers into text), which a
-            # meta that is wrong about the data must not do.
-            if from_arrow is not None and columns and _arrow_type_fits(table.column(columns[k]).type, want):
-                try:
-                    exact = from_arrow(table.column(columns[k]))
-                except (TypeError, ValueError, NotImplementedError, pa.ArrowException):
-                    exact = None
-            if exact is not None and len(exact) == len(frame):
-                levels.append(pd.Index(exact, name=values.name, copy=False))
-                continue
-            what = "the index" if nlevels == 1 else f"index level {k} ({values.name!r})"
-            try:
-                cast = cast_lossless(pd.Series(values, name=what, copy=False), want)
-            except ShuffleError:
-                if on_lossy_cast != "keep":
-                    raise
-                cast = pd.Series(values, copy=False)
-            levels.append(pd.Index(cast, name=values.name, copy=False))
-        index = levels[0] if nlevels == 1 else pd.MultiIndex.from_arrays(levels, names=frame.index.names)
+        fields = pandas_meta.get("index_columns") or []
+        if not fields or len(fields) != frame.index.nlevels or not all(isinstance(f, str) for f in fields):
+            return frame  # a RangeIndex kept as metadata
+        sent_as = {c.get("field_name"): c.get("numpy_type") for c in pandas_meta.get("columns") or [] if isinstance(c, dict)}
+        levels, changed = [], False
+        for k, field in enumerate(fields):
+            level = frame.index.get_level_values(k)
+            sent = _extension_dtype(sent_as.get(field))
+            if sent is not None and not _same_index_dtype(level.dtype, sent) and table.column_names.count(field) == 1:
+                column = table.column(field)
+                exact = None
+                if _arrow_type_fits(column.type, sent):
+                    try:
+                        exact = sent.__from_arrow__(column)
+                    except (TypeError, ValueError, NotImplementedError, pa.ArrowException):
+                        exact = None
+                if exact is not None and len(exact) == len(frame):
+                    level, changed = pd.Index(exact, name=level.name, copy=False), True
+            levels.append(level)
+        if not changed:
+            return frame
+        index = levels[0] if len(levels) == 1 else pd.MultiIndex.from_arrays(levels, names=frame.index.names)
         frame = frame.copy(deep=False)
         frame.index = index
         return frame
 
     def _unpack_cols(
-        self, pieces: Sequence[PackedData], meta: pd.DataFrame, on_lossy_cast: str = "raise"
+        self, pieces: Sequence[PackedData], meta: pd.DataFrame
     ) -> tuple[pd.DataFrame, Sequence[Any] | None]:
         """The pieces as one frame, and its columns' dtypes where they are known without asking it (else ``None``)."""
         gathered = gather(pieces)
@@ -790,9 +786,9 @@ class PandasAdapter(FrameAdapter):
                 if header.names is not None:
                     direct.columns = self._restored([str(c) for c in direct.columns], header)
                 plan = _frame_plan(schemas[0])
-                return self._index_as_meta(direct, table, meta, on_lossy_cast), plan.dtypes if plan is not None else None
+                return self._index_as_sent(direct, table), plan.dtypes if plan is not None else None
             frame = self._to_pandas(table, header, owned=True, schema=schemas[0])
-            return self._index_as_meta(frame, table, meta, on_lossy_cast), None
+            return self._index_as_sent(frame, table), None
         parts = [read_piece(p) for p in pieces]
         header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
         checked = set()
@@ -810,21 +806,21 @@ class PandasAdapter(FrameAdapter):
         if len({tuple(sorted(p)) for _, p, _ in parts}) > 1:
             # A column pickled in some input partitions and not in others:
             # let pandas concatenate (to object); reconcile checks the meta.
-            return self._concat_frames(pieces, meta, on_lossy_cast), None
+            return self._concat_frames(pieces, meta), None
         try:
             table = pa.concat_tables([t for t, _, _ in parts], promote_options="default")
-            frame = self._index_as_meta(self._to_pandas(table, header), table, meta, on_lossy_cast)
+            frame = self._index_as_sent(self._to_pandas(table, header), table)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
-            return self._concat_frames(pieces, meta, on_lossy_cast), None
+            return self._concat_frames(pieces, meta), None
         return _insert_pickled(frame, [p for _, p, _ in parts]), None
 
-    def _concat_frames(self, pieces: Sequence[PackedData], meta: pd.DataFrame, on_lossy_cast: str = "raise") -> pd.DataFrame:
+    def _concat_frames(self, pieces: Sequence[PackedData], meta: pd.DataFrame) -> pd.DataFrame:
         frames = []
         for piece in pieces:
             if is_cols(piece.metadata):
                 table, pickled, names = read_piece(piece)
                 header = Header(ARROW, tuple(names) if names is not None else None)
-                frame = self._index_as_meta(self._to_pandas(table, header), table, meta, on_lossy_cast)
+                frame = self._index_as_sent(self._to_pandas(table, header), table)
                 part = _insert_pickled(frame, [pickled])
             else:
                 header = Header.decode(piece.metadata)
@@ -832,7 +828,7 @@ class PandasAdapter(FrameAdapter):
                     part = pickle.loads(piece.data)
                 else:
                     table = read_ipc(piece.data)
-                    part = self._index_as_meta(self._to_pandas(table, header), table, meta, on_lossy_cast)
+                    part = self._index_as_sent(self._to_pandas(table, header), table)
             check_columns(list(part.columns), meta)
             frames.append(part)
         return pd.concat(frames, ignore_index=not self.index)
