@@ -83,9 +83,8 @@ from dask.base import tokenize
 from mpshuffle.dask.dataframe import graph_options
 from mpshuffle.dask.graph import Inserted, ShuffleSpec, barrier, check_npartitions, extract, insert
 from mpshuffle.dask.method import METHOD, check_dask_version
-from mpshuffle.errors import ShuffleError
 from mpshuffle.options import Options
-from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter
+from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter, check_plain_block
 
 __all__ = [
     "INSERT_GROUP_BYTES", "PARTITION_BUDGET_FRACTION", "PARTITION_BYTES", "aligned_per_partition", "install", "installed", "partition_bytes",
@@ -567,11 +566,7 @@ def _assemble(layout: tuple[tuple[tuple[slice, ...], tuple[int, ...]], ...], *bl
         If a block is not a plain ``numpy.ndarray`` (its mask or type would be lost).
     """
     for block in blocks:
-        if type(block) is not np.ndarray:
-            raise ShuffleError(
-                f"rechunk input block is a {type(block).__module__}.{type(block).__qualname__}; "
-                "mpshuffle rechunks arrays whose blocks are plain numpy.ndarray"
-            )
+        check_plain_block(block)
     parts = [block[slices] for block, (slices, _) in zip(blocks, layout, strict=True)]
     ndim = len(layout[0][0])
     extent = tuple(

@@ -191,13 +191,12 @@ def _progress(collection: Any, label: str, disable: bool) -> None:
 
 def _verify(inp: Any, out: Any) -> bool:
     """Row count, an order-independent checksum of all rows, and key membership."""
+    import dask
     import pandas as pd
 
     def checksum(part: pd.DataFrame) -> pd.Series:
         h = pd.util.hash_pandas_object(part.reset_index(drop=True), index=False).to_numpy()
         return pd.Series([len(part), int(h.sum(dtype="uint64"))], index=["rows", "sum"], dtype="uint64")
-
-    import dask
 
     def per_partition(ddf: Any) -> Any:
         return ddf.map_partitions(lambda p: checksum(p).to_frame().T, meta={"rows": "uint64", "sum": "uint64"})

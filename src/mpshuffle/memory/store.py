@@ -349,9 +349,7 @@ class DiskTier:
         out: list[tuple[Any, int]] = [(None, 0)] * len(ranges)
         for k, view in zip(large, mapped, strict=True):
             out[k] = view
-        is_large = np.zeros(len(ranges), bool)
-        is_large[large] = True
-        small = np.flatnonzero(~is_large).tolist()
+        small = [k for k, (_, nbytes) in enumerate(ranges) if nbytes < MAP_MIN_BYTES]
         buf, positions = self.read([ranges[k] for k in small])
         for k, at in zip(small, positions, strict=True):
             out[k] = (buf, at)

@@ -20,7 +20,7 @@ import pandas as pd
 from mpshuffle.errors import ShuffleError
 from mpshuffle.table.base import check_columns as base_check_columns
 
-__all__ = ["check_columns", "reconcile"]
+__all__ = ["check_columns", "reconcile", "same_dtype"]
 
 
 def check_columns(actual: list[Any], meta: pd.DataFrame) -> None:
@@ -144,7 +144,7 @@ def reconcile(
     # The columns are unique and in the meta's order now: compare the dtypes
     # by position (a Series per column cost ~50 us on a fresh frame).
     for name, have, want in zip(wanted, frame.dtypes if dtypes is None else dtypes, meta.dtypes, strict=True):
-        if not _same_dtype(have, want):
+        if not same_dtype(have, want):
             try:
                 changed[name] = cast_lossless(frame[name], want)
             except ShuffleError:
@@ -155,7 +155,8 @@ def reconcile(
     return frame
 
 
-def _same_dtype(have: Any, want: Any) -> bool:
+def same_dtype(have: Any, want: Any) -> bool:
+    """``have == want`` for two dtypes, ``False`` where numpy cannot compare them."""
     # numpy compares its dtypes with an ArrowDtype by parsing it, which fails
     # ("data type not understood") for nested Arrow types.
     try:

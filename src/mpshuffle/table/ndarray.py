@@ -91,7 +91,7 @@ if TYPE_CHECKING:
 
     from mpshuffle.memory.pool import HostPool
 
-__all__ = ["PICKLED", "RAW", "VIEW", "BlockPlan", "NDArrayAdapter"]
+__all__ = ["PICKLED", "RAW", "VIEW", "BlockPlan", "NDArrayAdapter", "check_plain_block"]
 
 #: Format byte of a piece whose data are its elements, raw.
 RAW = 0
@@ -204,6 +204,29 @@ class BlockPlan:
             yield (
                 sum(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo)
             )
+
+
+def check_plain_block(block: Any, where: Sequence[int] | None = None) -> None:
+    """Refuse a rechunk input block that is not a plain ``numpy.ndarray`` (a masked array's mask would be lost).
+
+    Parameters
+    ----------
+    block
+        The block as computed.
+    where
+        Its index, for the message, where known.
+
+    Raises
+    ------
+    mpshuffle.errors.ShuffleError
+        Naming the block's type.
+    """
+    if type(block) is not np.ndarray:
+        at = "" if where is None else f" {tuple(where)}"
+        raise ShuffleError(
+            f"rechunk input block{at} is a {type(block).__module__}.{type(block).__qualname__}; "
+            "mpshuffle rechunks arrays whose blocks are plain numpy.ndarray"
+        )
 
 
 def _round_up(n: int, to: int) -> int:
@@ -341,11 +364,7 @@ class NDArrayAdapter(FrameAdapter):
         plan, where = self.plan, self.block
         if plan is None or where is None:
             raise ShuffleError("a numpy-block adapter needs its block plan and block index to cut a block")
-        if type(frame) is not np.ndarray:
-            raise ShuffleError(
-                f"rechunk input block {where} is a {type(frame).__module__}.{type(frame).__qualname__}; "
-                "mpshuffle rechunks arrays whose blocks are plain numpy.ndarray"
-            )
+        check_plain_block(frame, where)
         if frame.dtype != self.dtype:
             raise ShuffleError(f"rechunk input block {where} has dtype {frame.dtype}, the array declares {self.dtype}")
         if frame.ndim != len(plan.cuts):

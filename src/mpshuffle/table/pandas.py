@@ -54,7 +54,7 @@ from mpshuffle.table._columns import (
     scratch_empty,
 )
 from mpshuffle.table._ipc import ARROW, PICKLE, Header, read_ipc, split_by_ids
-from mpshuffle.table._reconcile import check_columns, reconcile
+from mpshuffle.table._reconcile import check_columns, reconcile, same_dtype
 from mpshuffle.table.base import FrameAdapter, check_ids
 from mpshuffle.table.hashing import PandasRowHash, pandas_row_ids, partition_ids
 
@@ -468,13 +468,6 @@ def _arrow_type_of(dtype: Any) -> pa.DataType | None:
         return None
 
 
-def _same_index_dtype(have: Any, want: Any) -> bool:
-    try:  # numpy cannot parse some Arrow dtypes' names ("data type not understood")
-        return bool(have == want)
-    except TypeError:
-        return False
-
-
 def _nullable_ints(table: pa.Table, frame: pd.DataFrame) -> pd.DataFrame:
     """Give Arrow integer columns with nulls a nullable pandas dtype, not ``float64``.
 
@@ -714,8 +707,7 @@ class PandasAdapter(FrameAdapter):
             for table, header in zip(tables, headers, strict=True):
                 check_columns(self._restored(_data_fields(table), header), meta)
             try:
-                table = pa.concat_tables(tables, promote_options="default")
-                frame = self._index_as_sent(self._to_pandas(table, headers[0]), table)
+                frame = self._to_pandas(pa.concat_tables(tables, promote_options="default"), headers[0])
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 # Types Arrow cannot unify: let pandas concatenate (to object)
                 # and reconcile name the column that does not fit the meta.
@@ -725,7 +717,8 @@ class PandasAdapter(FrameAdapter):
         return reconcile(frame, meta, on_lossy_cast)
 
     def _index_as_sent(self, frame: pd.DataFrame, table: pa.Table) -> pd.DataFrame:
-        """``frame`` (converted from ``table``) with each kept index level in the dtype it was sent with.
+        """``frame`` (converted from ``table`` by :meth:`_to_pandas` or :func:`_direct_frame`) with each kept index
+        level in the dtype it was sent with.
 
         Arrow keeps each index level as a column, and its conversion back
         gives a level the NumPy dtype of its Arrow type even where the pieces'
@@ -750,7 +743,7 @@ class PandasAdapter(FrameAdapter):
         for k, field in enumerate(fields):
             level = frame.index.get_level_values(k)
             sent = _extension_dtype(sent_as.get(field))
-            if sent is not None and not _same_index_dtype(level.dtype, sent) and table.column_names.count(field) == 1:
+            if sent is not None and not same_dtype(level.dtype, sent) and table.column_names.count(field) == 1:
                 column = table.column(field)
                 exact = None
                 if _arrow_type_fits(column.type, sent):
@@ -787,8 +780,7 @@ class PandasAdapter(FrameAdapter):
                     direct.columns = self._restored([str(c) for c in direct.columns], header)
                 plan = _frame_plan(schemas[0])
                 return self._index_as_sent(direct, table), plan.dtypes if plan is not None else None
-            frame = self._to_pandas(table, header, owned=True, schema=schemas[0])
-            return self._index_as_sent(frame, table), None
+            return self._to_pandas(table, header, owned=True, schema=schemas[0]), None
         parts = [read_piece(p) for p in pieces]
         header = Header(ARROW, tuple(parts[0][2]) if parts[0][2] is not None else None)
         checked = set()
@@ -808,8 +800,7 @@ class PandasAdapter(FrameAdapter):
             # let pandas concatenate (to object); reconcile checks the meta.
             return self._concat_frames(pieces, meta), None
         try:
-            table = pa.concat_tables([t for t, _, _ in parts], promote_options="default")
-            frame = self._index_as_sent(self._to_pandas(table, header), table)
+            frame = self._to_pandas(pa.concat_tables([t for t, _, _ in parts], promote_options="default"), header)
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             return self._concat_frames(pieces, meta), None
         return _insert_pickled(frame, [p for _, p, _ in parts]), None
@@ -820,15 +811,13 @@ class PandasAdapter(FrameAdapter):
             if is_cols(piece.metadata):
                 table, pickled, names = read_piece(piece)
                 header = Header(ARROW, tuple(names) if names is not None else None)
-                frame = self._index_as_sent(self._to_pandas(table, header), table)
-                part = _insert_pickled(frame, [pickled])
+                part = _insert_pickled(self._to_pandas(table, header), [pickled])
             else:
                 header = Header.decode(piece.metadata)
                 if header.fmt == PICKLE:
                     part = pickle.loads(piece.data)
                 else:
-                    table = read_ipc(piece.data)
-                    part = self._index_as_sent(self._to_pandas(table, header), table)
+                    part = self._to_pandas(read_ipc(piece.data), header)
             check_columns(list(part.columns), meta)
             frames.append(part)
         return pd.concat(frames, ignore_index=not self.index)
@@ -849,7 +838,8 @@ class PandasAdapter(FrameAdapter):
         converted = _owned_to_pandas(table, schema) if owned else None
         if converted is None:
             converted = table.to_pandas(use_threads=False)
-        frame = _nullable_ints(table, converted)
+        # What the conversion loses beside the data: integers with nulls, a kept index's extension dtypes.
+        frame = self._index_as_sent(_nullable_ints(table, converted), table)
         if header.names is not None:
             frame.columns = self._restored([str(c) for c in frame.columns], header)
         return frame
