@@ -428,6 +428,66 @@ def concat_index(outputs: dict[int, pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(list(outputs.values()))
 
 
+def _kept_index_cases() -> dict[str, pd.DataFrame]:
+    """Frames whose kept index Arrow's field names or conversion cannot carry (found by breakers)."""
+    import decimal
+
+    n = 24
+    cols = {"k": np.arange(n) % 5, "v": np.arange(n) * 1.5}
+    two = pd.MultiIndex.from_arrays([np.arange(n), np.arange(n) * 2], names=["a", "__index_level_1__"])
+    return {
+        "int name": pd.DataFrame(cols, index=pd.Index(np.arange(n) * 10, name=5)),
+        "tuple name": pd.DataFrame(cols, index=pd.Index(np.arange(n) * 10, name=("a", "b"))),
+        "name 0 beside column '0'": pd.DataFrame({"k": cols["k"], "0": cols["v"]}, index=pd.Index(np.arange(n), name=0)),
+        "str name of a column": pd.DataFrame(cols, index=pd.Index(np.arange(n), name="v")),
+        "name __index_level_0__": pd.DataFrame(cols, index=pd.Index(np.arange(n), name="__index_level_0__")),
+        "level named __index_level_1__": pd.DataFrame(cols, index=two),
+        "column __index_level_0__, unnamed index": pd.DataFrame(
+            {"k": cols["k"], "__index_level_0__": cols["v"]}, index=pd.Index(np.arange(n) * 3)
+        ),
+        "int-named RangeIndex": pd.DataFrame(cols, index=pd.RangeIndex(n, name=7)),
+        "Arrow list index": pd.DataFrame(
+            cols, index=pd.Index(pd.array([[i, i] if i % 2 else None for i in range(n)], dtype=pd.ArrowDtype(pa.list_(pa.int64()))), name="ix")
+        ),
+        "Arrow dictionary index": pd.DataFrame(cols, index=pd.Index(
+            pd.array(["a", None, "b"] * (n // 3), dtype=pd.ArrowDtype(pa.dictionary(pa.int32(), pa.string()))), name="ix"
+        )),
+        "Arrow decimal index": pd.DataFrame(cols, index=pd.Index(
+            pd.array([decimal.Decimal(i) / 4 for i in range(n)], dtype=pd.ArrowDtype(pa.decimal128(10, 2))), name="ix"
+        )),
+        "Arrow string index": pd.DataFrame(
+            cols, index=pd.Index(pd.array([f"s{i}" for i in range(n)], dtype=pd.ArrowDtype(pa.string())), name="ix")
+        ),
+        "interval index": pd.DataFrame(cols, index=pd.IntervalIndex.from_breaks(np.arange(n + 1), name="ix")),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_kept_index_cases()))
+def test_kept_index_keeps_its_names_dtype_and_values(case: str) -> None:
+    # Found by breakers: index names that are not strings came back as
+    # strings, an index named 0 beside a column "0" lost that column, a level
+    # named __index_level_N__ lost its name, Arrow list / dictionary index
+    # levels failed the extract and decimal / string ones came back object or
+    # pandas' string. Each comes back as sent, as with Dask's task shuffle.
+    frame = _kept_index_cases()[case]
+    inputs = [frame.iloc[:10], frame.iloc[10:]]
+    adapter = PandasAdapter(index=True)
+    outputs = shuffle(adapter, inputs, ["k"], 3, frame.iloc[:0])
+    for pid, out in outputs.items():
+        assert list(out.columns) == list(frame.columns)
+        assert list(out.index.names) == list(frame.index.names)
+        assert list(out.index.dtypes if out.index.nlevels > 1 else [out.index.dtype]) == list(
+            frame.index.dtypes if frame.index.nlevels > 1 else [frame.index.dtype]
+        )
+        # Each output partition holds exactly the input rows of its keys, index included.
+        expected = frame[partition_ids(frame[["k"]], 3) == pid]
+        def by_last(f: pd.DataFrame) -> pd.DataFrame:
+            return f.iloc[np.argsort(f.iloc[:, -1].to_numpy(), kind="stable")]
+
+        pd.testing.assert_frame_equal(by_last(out), by_last(expected), check_exact=True)
+    assert sum(len(out) for out in outputs.values()) == len(frame)
+
+
 # ---------------------------------------------------- reconcile with meta
 
 

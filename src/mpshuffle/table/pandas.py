@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -225,6 +226,62 @@ def _objects_round_trip_index(frame: pd.DataFrame, index_columns: Sequence[Colum
         if dtype == object and col.array is not None and not _object_type_round_trips(col.array.type):
             return False
     return True
+
+
+_INDEX_FIELD = re.compile(r"__index_level_\d+__")
+
+
+def _index_fits_arrow(frame: pd.DataFrame) -> bool:
+    """Whether ``frame``'s index goes to Arrow and back with its names and dtypes (with ``index=True``).
+
+    Arrow names a kept index level's field ``str(name)``, or
+    ``__index_level_<i>__`` for a level without a name, and its conversion
+    back reads names from the fields: a level named ``5`` or ``("a", "b")``
+    comes back named ``"5"`` or ``"('a', 'b')"``, a level named
+    ``"__index_level_0__"`` comes back without a name, and a level whose
+    field has a column's name (an index ``0`` beside a column ``"0"``) makes
+    the extract drop that column. Such frames, and those with an index level
+    of an extension dtype Arrow's conversion cannot read back (``ArrowDtype``
+    of ``list`` or ``dictionary``), travel pickled, as Dask's task shuffle
+    moves them: exact, slower.
+    """
+    index = frame.index
+    names = list(index.names)
+    if any(n is not None and not isinstance(n, str) for n in names):
+        return False
+    if any(n is not None and _INDEX_FIELD.fullmatch(n) for n in names):
+        return False
+    fields = [n if n is not None else f"__index_level_{i}__" for i, n in enumerate(names)]
+    if {str(c) for c in frame.columns} & set(fields):
+        return False
+    if isinstance(index, pd.RangeIndex):
+        return True
+    dtypes = list(index.dtypes) if index.nlevels > 1 else [index.dtype]
+    return all(not isinstance(d, pd.api.extensions.ExtensionDtype) or _index_round_trips(d) for d in dtypes)
+
+
+def _index_round_trips(dtype: Any) -> bool:
+    """Whether a kept index level of extension dtype ``dtype`` goes to Arrow and back (remembered per dtype)."""
+    try:
+        return _index_round_trips_cached(dtype)
+    except TypeError:  # a dtype that does not hash
+        return _index_converts(dtype)
+
+
+@lru_cache(maxsize=256)
+def _index_round_trips_cached(dtype: Any) -> bool:
+    return _index_converts(dtype)
+
+
+def _index_converts(dtype: Any) -> bool:
+    """Whether a zero-row index level of ``dtype`` comes back from Arrow in ``dtype`` through the extract's conversion."""
+    try:
+        empty = pd.DataFrame({"c": np.empty(0, np.int64)}, index=pd.Index(pd.array([], dtype=dtype), name="i"))
+        table = pa.Table.from_pandas(empty, preserve_index=True)
+        back = PandasAdapter(index=True)._index_as_sent(table.to_pandas(), table)
+    except Exception:  # noqa: BLE001 - any failure either way means: do not use Arrow
+        return False
+    return same_dtype(back.index.dtype, dtype)
 
 
 def _zero_copy_dtype(t: pa.DataType) -> np.dtype[Any] | None:
@@ -618,6 +675,8 @@ class PandasAdapter(FrameAdapter):
             return {}
         # The columns once, their dtypes from them: ``frame.dtypes`` builds a
         # Series of its own (~50 us on each new input frame).
+        if self.index and not _index_fits_arrow(frame):
+            return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         items = list(frame.items())
         dtypes = tuple(series.dtype for _, series in items)
         pickled = _pickled_positions(frame, dtypes)
