@@ -473,6 +473,22 @@ def test_case10_integer_column_names(client: Client) -> None:
     run_case("pandas", client, [pdf.iloc[:4], pdf.iloc[4:]], [1, 0], 2)
 
 
+def test_case10_labels_arrow_cannot_name(client: Client) -> None:
+    """pandas only: labels whose strings collide, a ``Timestamp`` and a ``None`` (NaN) label, and an index named
+    ``0`` beside a column ``"0"`` travel pickled (session 24's breaker: refused, or failed at extract)."""
+    pdf = pd.DataFrame({0: np.arange(9) % 4, "0": [f"s{i}" for i in range(9)], 2: np.arange(9) * 1.5})
+    pdf.columns = pd.Index([0, "0", pd.Timestamp("2020-01-01")], dtype=object)
+    outputs, meta = run_case("pandas", client, [pdf.iloc[:4], pdf.iloc[4:]], [0], 3)
+    assert all(list(o.columns) == list(pdf.columns) for o in outputs)
+    nan_label = pd.DataFrame({"k": np.arange(9) % 4, None: np.arange(9) * 2})
+    run_case("pandas", client, [nan_label.iloc[:4], nan_label.iloc[4:]], ["k"], 2)
+    named = pd.DataFrame({"k": np.arange(12) % 5, "0": np.arange(12.0)}, index=pd.Index(np.arange(12) * 7, name=0))
+    with dask.config.set({"dataframe.shuffle.method": "mpshuffle"}):
+        got = dd.from_pandas(named, npartitions=3).shuffle("k", npartitions=2).compute()
+    assert got.index.name == 0 and list(got.columns) == ["k", "0"]
+    pd.testing.assert_frame_equal(got.sort_index(), named, check_exact=True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_case11_string_and_integer_key(client: Client, kind: str) -> None:
     rng = np.random.default_rng(11)

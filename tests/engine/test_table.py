@@ -387,10 +387,34 @@ def test_integer_column_names_work() -> None:
     assert rows(concat(outputs)) == rows(pd.concat([frame, frame]))
 
 
-def test_column_names_colliding_as_strings_are_an_error() -> None:
-    frame = pd.DataFrame([[1, 2]], columns=pd.Index([0, "0"], dtype=object))
-    with pytest.raises(ShuffleError, match="unique"):
-        PandasAdapter().split(frame, [0], 2)
+@pytest.mark.parametrize(
+    "labels",
+    [[0, "0", "v"], [0, pd.Timestamp("2020-01-01"), "v"], [0, None, "v"], [0, ("a", "b"), "v"], [0, 1.5, "v"]],
+    ids=["0 beside '0'", "Timestamp", "None (NaN)", "tuple", "float"],
+)
+def test_column_labels_travel_exactly(labels: list[Any]) -> None:
+    # Found by a breaker (session 24): labels whose strings collide or that
+    # are not JSON scalars were refused, and a None label (NaN in pandas)
+    # failed the extract's column check. Dask's task shuffle moves them all.
+    n = 30
+    frame = pd.DataFrame(
+        {0: np.arange(n) % 7, 1: np.arange(n) * 2.5, 2: [f"s{i}" for i in range(n)]}
+    )
+    frame.columns = pd.Index(labels, dtype=object)
+    outputs = shuffle(PandasAdapter(), [frame.iloc[:12], frame.iloc[12:]], [0], 3, frame.iloc[:0])
+    for pid, out in outputs.items():
+        pd.testing.assert_index_equal(out.columns, frame.columns)
+        expected = frame[partition_ids(frame[[0]], 3) == pid]
+        pd.testing.assert_frame_equal(
+            out.sort_values("v", ignore_index=True), expected.sort_values("v", ignore_index=True), check_exact=True
+        )
+    assert sum(len(out) for out in outputs.values()) == n
+
+
+def test_repeated_column_labels_are_an_error() -> None:
+    frame = pd.DataFrame([[1, 2, 3]], columns=pd.Index(["k", "a", "a"]))
+    with pytest.raises(ShuffleError, match="unique.*'a', 'a'"):
+        PandasAdapter().split(frame, ["k"], 2)
 
 
 def test_two_column_key_str_and_int() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -183,6 +184,13 @@ class FrameAdapter(ABC):
         raise TypeError(f"{self.name} frames are host data; they do not take the device run path")
 
 
+def _label_key(label: Any) -> Any:
+    """``label`` as a set member: a float NaN label (pandas' for ``None``) equals every other, as in a pandas index."""
+    if isinstance(label, float) and math.isnan(label):
+        return ("nan",)
+    return label
+
+
 def check_columns(actual: Sequence[Any], expected: Sequence[Any], what: str = "the data") -> None:
     """Raise if a frame's columns and its meta's differ as sets.
 
@@ -201,13 +209,14 @@ def check_columns(actual: Sequence[Any], expected: Sequence[Any], what: str = "t
         Naming the meta's columns that the frame lacks, or the frame's columns
         that the meta lacks.
     """
-    missing = [c for c in expected if c not in actual]
+    have, want = {_label_key(c) for c in actual}, {_label_key(c) for c in expected}
+    missing = [c for c in expected if _label_key(c) not in have]
     if missing:
         raise ShuffleError(
             f"{what} lacks column(s) {missing!r} that the collection's meta declares "
             f"(it has {list(actual)!r})"
         )
-    extra = [c for c in actual if c not in expected]
+    extra = [c for c in actual if _label_key(c) not in want]
     if extra:
         raise ShuffleError(
             f"{what} has column(s) {extra!r} that the collection's meta does not declare "

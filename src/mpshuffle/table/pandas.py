@@ -33,7 +33,7 @@ import pickle
 import re
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
 import numpy as np
 import pandas as pd
@@ -635,8 +635,9 @@ class PandasAdapter(FrameAdapter):
         KeyError
             If a key column is missing.
         ShuffleError
-            If column names are not unique (also after ``str``) or not JSON
-            scalars while some are not strings.
+            If two columns have the same label. (Labels Arrow's field names
+            cannot carry, such as ``0`` beside ``"0"`` or a ``Timestamp``,
+            make the frame travel pickled.)
         """
         return self.split_for(frame, on, npartitions, ids)
 
@@ -673,6 +674,8 @@ class PandasAdapter(FrameAdapter):
         names = self._names(frame)
         if len(frame) == 0:
             return {}
+        if names is False:
+            return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         # The columns once, their dtypes from them: ``frame.dtypes`` builds a
         # Series of its own (~50 us on each new input frame).
         if self.index and not _index_fits_arrow(frame):
@@ -709,19 +712,29 @@ class PandasAdapter(FrameAdapter):
             return pandas_row_ids(ids, npartitions)
         return self.partition_ids(frame, on, npartitions) if ids is None else ids
 
-    def _names(self, frame: pd.DataFrame) -> tuple[Any, ...] | None:
-        columns = list(frame.columns)
-        if len({str(c) for c in columns}) != len(columns):
-            raise ShuffleError(f"column names must be unique (also as strings), got {columns!r}")
+    def _names(self, frame: pd.DataFrame) -> tuple[Any, ...] | None | Literal[False]:
+        """The column labels for the header: ``None`` where all are strings, else the labels as JSON scalars, or
+        ``False`` where the labels cannot travel that way (the frame then travels pickled).
+
+        Arrow names a field ``str(label)`` and the header restores labels by
+        that string, so labels that are not JSON scalars (a ``Timestamp``,
+        a tuple) or whose strings collide (``0`` beside ``"0"``) cannot be
+        told apart on the way back; Dask's task shuffle moves such frames
+        pickled, and so does this.
+
+        Raises
+        ------
+        ShuffleError
+            If two columns have the same label.
+        """
+        columns = [c.item() if isinstance(c, np.generic) else c for c in frame.columns]
+        if not frame.columns.is_unique:
+            raise ShuffleError(f"column names must be unique, got {columns!r}")
         if all(isinstance(c, str) for c in columns):
             return None
-        bad = [c for c in columns if not isinstance(c, _JSON_SCALARS)]
-        if bad:
-            raise ShuffleError(
-                f"column names must be strings or integers; got {bad!r} in frame columns"
-            )
-        # numpy integers become Python ints so that json can write them.
-        return tuple(c.item() if hasattr(c, "item") else c for c in columns)
+        if not all(isinstance(c, _JSON_SCALARS) for c in columns) or len({str(c) for c in columns}) != len(columns):
+            return False
+        return tuple(columns)
 
     def _split_pickle(
         self, frame: pd.DataFrame, ids: npt.NDArray[np.int64]
