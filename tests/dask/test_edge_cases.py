@@ -478,7 +478,7 @@ def test_case10_labels_arrow_cannot_name(client: Client) -> None:
     ``0`` beside a column ``"0"`` travel pickled (session 24's breaker: refused, or failed at extract)."""
     pdf = pd.DataFrame({0: np.arange(9) % 4, "0": [f"s{i}" for i in range(9)], 2: np.arange(9) * 1.5})
     pdf.columns = pd.Index([0, "0", pd.Timestamp("2020-01-01")], dtype=object)
-    outputs, meta = run_case("pandas", client, [pdf.iloc[:4], pdf.iloc[4:]], [0], 3)
+    outputs, _ = run_case("pandas", client, [pdf.iloc[:4], pdf.iloc[4:]], [0], 3)
     assert all(list(o.columns) == list(pdf.columns) for o in outputs)
     nan_label = pd.DataFrame({"k": np.arange(9) % 4, None: np.arange(9) * 2})
     run_case("pandas", client, [nan_label.iloc[:4], nan_label.iloc[4:]], ["k"], 2)
