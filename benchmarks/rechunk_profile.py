@@ -1,6 +1,6 @@
 """Where a rechunk's time goes on the workers: per-thread CPU, Dask's task stream by prefix, py-spy.
 
-Not a test. One LocalCluster (2 workers x 1 thread of 16 GiB), the
+Not a test. One LocalCluster (``--workers`` x 1 thread of 16 GiB), the
 ``rechunk_bench`` input persisted, ``--repeat`` rechunks per method in turns
 (methods alternated). Per run: wall seconds, every worker thread's user and
 system CPU (``/proc/self/task`` read on the workers before and after, grouped
@@ -60,15 +60,17 @@ def main() -> None:
     p.add_argument("case", choices=("time-to-space", "space-to-time"))
     p.add_argument("--t", type=int, default=400)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--side", type=int, default=1000, help="spatial side S (a multiple of 20)")
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--methods", default="mpshuffle,p2p")
     p.add_argument("--py-spy", default="")
     p.add_argument("--perf", default="", help="record mpshuffle runs with perf into this directory")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    side = 1000
+    side, small = a.side, a.side // 20
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+        n_workers=a.workers, threads_per_worker=1, processes=True, dashboard_address=":0",
         memory_limit="16GiB", local_directory=tmp,
     ) as cluster, Client(cluster) as client:
         pids = list(client.run(os.getpid).values())
@@ -78,9 +80,9 @@ def main() -> None:
             with dask.config.set({"array.rechunk.method": m}):
                 assert int(client.compute(check(warm.rechunk((8, 2, 2)))).result()) == 0
         if a.case == "time-to-space":
-            x, target = source((a.t, side, side), (1, side, side)).persist(), (a.t, 50, 50)
+            x, target = source((a.t, side, side), (1, side, side)).persist(), (a.t, small, small)
         else:
-            x, target = source((a.t, side, side), (a.t, 50, 50)).persist(), (1, side, side)
+            x, target = source((a.t, side, side), (a.t, small, small)).persist(), (1, side, side)
         wait(x)
         methods = a.methods.split(",")
         for r in range(a.repeat):

@@ -296,6 +296,39 @@ def test_insert_groups_are_per_worker_and_bounded(monkeypatch: pytest.MonkeyPatc
     assert rechunk_module._insert_groups([], []) == []
 
 
+def test_insert_batches_are_consecutive_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rechunk_module, "INSERT_BATCH_BYTES", 30)
+    sizes = [10, 10, 10, 10, 25, 10, 0, 10, 40, 10]
+    assert rechunk_module._insert_batches(range(10), sizes) == [[0, 1, 2], [3], [4], [5], [6], [7], [8], [9]]
+    # Positions of one task, not all consecutive in the group; a block past the bytes is a batch of its own.
+    assert rechunk_module._insert_batches([0, 2, 3, 5], [10, 0, 10, 10, 0, 10]) == [[0, 2, 3], [5]]
+    assert rechunk_module._insert_batches([], []) == []
+
+
+def test_a_batch_of_blocks_is_one_input_and_exact_on_four_ranks() -> None:
+    """Blocks inserted as batches (one input index, their pieces for each rank sent together) give Dask's values,
+    on a cluster of 4 workers whose blocks' bytes spread over the ranks."""
+    from distributed import Client, LocalCluster, wait
+
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster):
+        values = np.arange(16 * 40 * 40, dtype="f8").reshape(16, 40, 40)
+        x = da.from_array(values, chunks=(1, 40, 40)).persist()
+        wait(x)
+        with dask.config.set(MP):
+            y = x.rechunk((16, 10, 10))
+        graph_ = dict(y.__dask_graph__())
+        inserts = [v for k, v in graph_.items() if isinstance(k, tuple) and "-insert-" in k[0]]
+        # 16 blocks of 12.8 KB on at most 4 workers: one batch (one input) per task.
+        batches = [task.args[2] for task in inserts]
+        assert sum(len(b) for b in batches) == len(inserts) and sum(len(b[0]) for b in batches) == 16
+        np.testing.assert_array_equal(y.compute(), values)
+        assert y.chunks == x.rechunk((16, 10, 10), method="tasks").chunks
+        back = y.persist()
+        wait(back)
+        np.testing.assert_array_equal(back.rechunk((1, 40, 40), method="mpshuffle").compute(), values)
+
+
 def test_inserts_take_the_blocks_one_worker_holds(client: Client) -> None:
     """A persisted input is inserted by a task per worker (each over blocks of that worker only), exact values."""
     from distributed import wait

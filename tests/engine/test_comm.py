@@ -195,3 +195,20 @@ def test_a_start_that_fails_does_not_strand_the_work_queued_after_it() -> None:
         comm.loop.create_task = real  # type: ignore[method-assign]
     assert got == [1, 2]
     comm.close()
+
+
+def test_packb_packs_as_msgpack_does_from_any_thread_and_after_an_error() -> None:
+    import concurrent.futures
+
+    import msgpack
+
+    from mpshuffle.comm._pack import packb
+
+    values = [{"input": 3, "attempt": "a1", "pieces": b"\x00\x01" * 50}, [1, 2.5, None, "x"], b"y" * 300_000]
+    with pytest.raises(TypeError):
+        packb({"bad": object()})
+    # The packer that failed starts clean: nothing of the failed call is in the next result.
+    assert [packb(v) for v in values] == [msgpack.packb(v) for v in values]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: packb({"i": i, "v": values[i % 3]}), range(200)))
+    assert got == [msgpack.packb({"i": i, "v": values[i % 3]}) for i in range(200)]

@@ -70,6 +70,7 @@ def ranks(
     # inputs (tested on their own below), so here every chunk is sent as it is
     # made, as a large one is.
     monkeypatch.setattr(host, "SMALL_CHUNK_BYTES", -1)
+    monkeypatch.setattr(host, "MEDIUM_CHUNK_BYTES", 0)
     nranks, frozen, thaw = 3, set[int](), threading.Event()
     group: list[_Group] = []
     kind = _CopyingGroup if request.param == "copies" else _Group
@@ -320,12 +321,12 @@ def test_a_failed_run_releases_its_held_chunks() -> None:
 
 
 def test_large_chunks_go_as_they_are_made_this_ranks_own_through_its_progress_thread() -> None:
-    """Chunks above SMALL_CHUNK_BYTES are not held, and this rank's own large one goes through the
+    """Chunks of MEDIUM_CHUNK_BYTES and more are not held, and this rank's own large one goes through the
     communicator (its progress thread files it, past the budget spills it, while the insert goes on)."""
     shufflers, comms, _, thaw = _counting_ranks(2)
     try:
         adapter = PandasAdapter()
-        n = 3 * host.SMALL_CHUNK_BYTES // 16 * 2  # two int64 columns: ~3x SMALL_CHUNK_BYTES per rank
+        n = 3 * host.MEDIUM_CHUNK_BYTES // 16 * 2  # two int64 columns: ~3x MEDIUM_CHUNK_BYTES per rank
         frame = pd.DataFrame({"k": range(n), "v": range(n)})
         shufflers[0].insert(0, adapter.split(frame, ["k"], 4), attempt="a0")
         assert comms[0].sent_kinds.get((0, "chunk"), 0) >= 1 and comms[0].sent_kinds.get((1, "chunk"), 0) >= 1
@@ -335,5 +336,34 @@ def test_large_chunks_go_as_they_are_made_this_ranks_own_through_its_progress_th
         for j in range(4):
             rows.extend(adapter.unpack(shufflers[j % 2].extract(j), frame.iloc[:0])["v"].tolist())
         assert sorted(rows) == list(range(n))
+    finally:
+        _close(shufflers, comms, thaw)
+
+
+def test_medium_chunks_are_held_apart_and_go_once_the_next_would_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks between SMALL_CHUNK_BYTES and MEDIUM_CHUNK_BYTES are copied into one buffer per destination,
+    which goes as one message when the next chunk would not fit in it; rows arrive exactly once, in order."""
+    monkeypatch.setattr(host, "HELD_MEDIUM_BYTES", 2**20)
+    shufflers, comms, _, thaw = _counting_ranks(2)
+    try:
+        adapter = PandasAdapter()
+        rows_each = 2 * host.SMALL_CHUNK_BYTES // 16 * 2  # two int64 columns: 256 KiB an insert, 128 KiB per rank
+        frame = pd.DataFrame({"k": range(20 * rows_each), "v": range(20 * rows_each)})
+        for i in range(20):
+            part = frame.iloc[i * rows_each : (i + 1) * rows_each]
+            shufflers[0].insert(i, adapter.split(part, ["k"], 4), attempt=f"a{i}")
+        # ~128 KiB for rank 1 per insert into buffers of 1 MiB: 8 chunks per message (the 9th starts the
+        # next buffer), and no chunk alone.
+        assert comms[0].sent_kinds.get((1, "chunk")) is None
+        assert comms[0].sent_kinds.get((1, "chunks")) == 2
+        assert shufflers[0]._held[(1, True)].buffer is not None
+        shufflers[0].barrier(4, accepted=[f"a{i}" for i in range(20)])
+        assert comms[0].sent_kinds.get((1, "chunks")) == 3  # the rest at the barrier
+        expected = adapter.split(frame, ["k"], 4)
+        for j in range(4):
+            got = adapter.unpack(shufflers[j % 2].extract(j), frame.iloc[:0])
+            assert got["v"].tolist() == adapter.unpack([expected[j]], frame.iloc[:0])["v"].tolist()
+        assert sum(s.statistics["chunks_received"] for s in shufflers) == sum(s.statistics["chunks_sent"] for s in shufflers)
+        assert all(s.closed and s.postbox.resource.used(host.MemoryType.HOST) == 0 for s in shufflers)
     finally:
         _close(shufflers, comms, thaw)

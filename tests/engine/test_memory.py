@@ -316,6 +316,7 @@ class _RecordingComm:
 
 def test_insert_keeps_at_most_two_chunks_in_flight_per_destination(tmp_path: Any, monkeypatch: Any) -> None:
     monkeypatch.setattr(host, "SMALL_CHUNK_BYTES", -1)  # every chunk sent as it is made (as a large one is)
+    monkeypatch.setattr(host, "MEDIUM_CHUNK_BYTES", 0)
     comm = _RecordingComm()
     res = BufferResource({MemoryType.HOST: 10**9}, spill_dir=str(tmp_path))
     s = Shuffler(comm, 1, resource=res, timeout=5, batch_bytes=1000)  # type: ignore[arg-type]

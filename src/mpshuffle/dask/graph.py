@@ -37,6 +37,7 @@ from mpshuffle.memory.packed import PieceTable
 from mpshuffle.options import Options
 from mpshuffle.shuffler.context import WorkerContext
 from mpshuffle.shuffler.device import is_device_meta
+from mpshuffle.shuffler.host import Shuffler
 from mpshuffle.shuffler.run import Run
 from mpshuffle.table import FrameAdapter, PandasAdapter, get_adapter
 from mpshuffle.table.base import check_columns, check_ids
@@ -502,6 +503,39 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec, adapter: FrameAdapte
         _run_of(ctx, run, spec).insert_frame(
             input_index, frame, adapter, spec.on, spec.npartitions, ids, attempt=attempt
         )
+    return Inserted(run.op_id, run.generation, attempt)
+
+
+def insert_parts(parts: Sequence[tuple[Any, FrameAdapter]], input_index: int, spec: ShuffleSpec) -> Inserted:
+    """Task body: insert several frames cut by position (a rechunk's blocks, each with its own adapter) as one input.
+
+    On a host run (:class:`~mpshuffle.shuffler.host.Shuffler`) their pieces
+    go together, per destination rank in chunks sized as one insert's
+    (:meth:`~mpshuffle.shuffler.host.Shuffler.insert_frames`); on other runs
+    each frame is inserted in turn under the same input index and attempt.
+
+    Raises
+    ------
+    ShuffleError
+        If a frame's adapter does not fit the collection's meta, or as
+        :func:`insert`.
+    """
+    attempt = uuid.uuid4().hex[:16]
+    with phase("bootstrap"):
+        run, ctx, runtime = _bind(spec, inserting=True)
+    with runtime.guard("insert", run, ctx):
+        for frame, adapter in parts:
+            if not adapter.matches(spec.meta):
+                raise ShuffleError(
+                    f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
+                    f"meta is a {type(spec.meta).__name__}"
+                )
+        target = _run_of(ctx, run, spec)
+        if isinstance(target, Shuffler):
+            target.insert_frames(input_index, list(parts), spec.npartitions, attempt=attempt)
+        else:
+            for frame, adapter in parts:
+                target.insert_frame(input_index, frame, adapter, spec.on, spec.npartitions, attempt=attempt)
     return Inserted(run.op_id, run.generation, attempt)
 
 

@@ -81,7 +81,14 @@ from dask._task_spec import Alias, Task, TaskRef
 from dask.base import tokenize
 
 from mpshuffle.dask.dataframe import graph_options
-from mpshuffle.dask.graph import Inserted, ShuffleSpec, barrier, check_npartitions, extract, insert
+from mpshuffle.dask.graph import (
+    Inserted,
+    ShuffleSpec,
+    barrier,
+    check_npartitions,
+    extract,
+    insert_parts,
+)
 from mpshuffle.dask.method import METHOD, check_dask_version
 from mpshuffle.options import Options
 from mpshuffle.table.ndarray import AxisCuts, BlockPlan, NDArrayAdapter, check_plain_block
@@ -336,15 +343,15 @@ def _exchange(
     olds = [tuple(g.olds[i] for g, i in zip(group, local, strict=True)) for local in locals_]
     where = [(holders or {}).get((x.name, *old)) for old in olds]
     refs, index = [], 0  # input indices run through the tasks in order: the barrier's order
-    for members in _insert_groups(where, [x.dtype.itemsize * n for n in _block_elements(x, olds)]):
+    sizes = [x.dtype.itemsize * n for n in _block_elements(x, olds)]
+    for members in _insert_groups(where, sizes):
         # Keyed by the first block's index: unique among all the runs of this rechunk.
         key = (spec.insert_name, *olds[members[0]])
         blocks = [TaskRef((x.name, *olds[m])) for m in members]
-        layer[key] = _Pinned(
-            key, _insert_blocks, spec, plan, tuple(locals_[m] for m in members), index, *blocks
-        )
+        batches = tuple(tuple(locals_[m] for m in batch) for batch in _insert_batches(members, sizes))
+        layer[key] = _Pinned(key, _insert_blocks, spec, plan, batches, index, *blocks)
         refs.append(TaskRef(key))
-        index += len(members)
+        index += len(batches)
     layer[spec.barrier_name] = _Pinned(spec.barrier_name, _barrier, spec, *refs)
     for pid in range(plan.npartitions):
         key = (spec.extract_name, pid)
@@ -402,15 +409,50 @@ def _insert_groups(where: Sequence[int | None], nbytes: Sequence[int]) -> list[l
     return out
 
 
+#: Most bytes of input blocks one insert call takes as one input
+#: (:func:`_insert_batches`): its pieces for each rank travel together, in
+#: chunks sized as one insert's, and its copies of the pieces sent away
+#: exist at once. Why batch: a block's bytes spread over the ranks, so a
+#: block inserted alone sent each rank ``block / ranks`` bytes in a message
+#: of its own; at 16 ranks the 4 MB blocks of a 6.4 GB time-to-space rechunk
+#: made 24,000 socket messages of ~250 KB, and the run took longer than P2P's
+#: (``benchmarks/results/README.md``, session 24). Why not the whole task
+#: (:data:`INSERT_GROUP_BYTES`): the pieces copied for other ranks are held
+#: until sent, so a batch bounds that memory.
+INSERT_BATCH_BYTES = 32 * 2**20
+
+
+def _insert_batches(members: Sequence[int], nbytes: Sequence[int]) -> list[list[int]]:
+    """The blocks of one insert task (positions ``members``) in batches inserted as one input each, in order.
+
+    Consecutive blocks of at most :data:`INSERT_BATCH_BYTES` together (one
+    block at least); a block of unknown size (0 in ``nbytes``) is a batch of
+    its own.
+    """
+    out: list[list[int]] = []
+    size = 0
+    for m in members:
+        n = nbytes[m]
+        if not out or n == 0 or nbytes[out[-1][-1]] == 0 or size + n > INSERT_BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += n
+    return out
+
+
 def _insert_blocks(
-    spec: ShuffleSpec, plan: BlockPlan, locals_: tuple[tuple[int, ...], ...], first: int, *blocks: Any
+    spec: ShuffleSpec, plan: BlockPlan, batches: tuple[tuple[tuple[int, ...], ...], ...], first: int, *blocks: Any
 ) -> tuple[Inserted, ...]:
-    """Task: insert input blocks ``blocks`` (at ``locals_`` in the group) as input indices ``first``, ``first + 1``, ..."""
+    """Task: insert input blocks ``blocks`` in ``batches`` (their positions in the group), batch ``i`` as input
+    index ``first + i`` (:func:`~mpshuffle.dask.graph.insert_parts`)."""
     dtype = spec.meta.dtype
-    return tuple(
-        insert(block, first + i, spec, NDArrayAdapter(dtype, plan, local, views=True))
-        for i, (local, block) in enumerate(zip(locals_, blocks, strict=True))
-    )
+    given = iter(blocks)
+    out = []
+    for i, batch in enumerate(batches):
+        parts = [(next(given), NDArrayAdapter(dtype, plan, local, views=True)) for local in batch]
+        out.append(insert_parts(parts, first + i, spec))
+    return tuple(out)
 
 
 def _barrier(spec: ShuffleSpec, *inserted: tuple[Inserted, ...]) -> Any:

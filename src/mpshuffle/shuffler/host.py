@@ -51,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from mpshuffle.comm._pack import packb
 from mpshuffle.comm.base import SendFuture
 from mpshuffle.errors import (
     CommError,
@@ -59,6 +60,7 @@ from mpshuffle.errors import (
     SpillError,
 )
 from mpshuffle.memory import BufferResource, Chunk, MemoryType, Postbox
+from mpshuffle.memory._pages import aligned_empty
 from mpshuffle.memory.packed import PackedPieces, PieceTable
 from mpshuffle.memory.postbox import compact_pieces
 from mpshuffle.memory.resource import Reservation
@@ -114,6 +116,22 @@ SMALL_CHUNK_BYTES = 64 * 1024
 #: file each of their thousands of frames was a mapping whose pages every
 #: extract looked at giving back (``PieceTable.release_pages``).
 HELD_BYTES = 192 * 1024
+#: A chunk for another rank of more than :data:`SMALL_CHUNK_BYTES` and less
+#: than this many bytes (an insert with under :data:`RELEASE_MIN_BYTES` for
+#: that rank) is held as well, apart from the small ones, copied into one
+#: buffer per destination (from the run's pool) that goes as one
+#: ``"chunks"`` message once the next chunk would not fit in
+#: :data:`HELD_MEDIUM_BYTES`. Why: such chunks come from inputs that are
+#: small against the ranks' number, as a rechunk's blocks are: at 16 ranks a
+#: 4 MB block gives each rank ~250 KB, below the transport's shared-memory
+#: threshold, and the 24,000 socket messages of a 6.4 GB time-to-space
+#: rechunk made it slower than P2P's (``benchmarks/results/README.md``,
+#: session 24). Held, they go between ranks of one host as a few
+#: shared-memory files, for one copy more on the sender.
+MEDIUM_CHUNK_BYTES = RELEASE_MIN_BYTES
+#: Bytes of one destination's buffer of held medium chunks: at least the
+#: transport's shared-memory threshold (256 KiB), so that it goes as a file.
+HELD_MEDIUM_BYTES = 4 * 2**20
 
 
 class Shuffler(Run):
@@ -164,9 +182,10 @@ class Shuffler(Run):
         # copied already (SendFuture.copied) and that their receiver may not
         # have taken yet, oldest first; guarded by _lock.
         self._copied_in_flight: dict[int, collections.deque[SendFuture]] = collections.defaultdict(collections.deque)
-        # Per destination, small chunks copied and held until they go
-        # together (SMALL_CHUNK_BYTES); guarded by _lock.
-        self._held: dict[int, _Held] = {}
+        # Per (destination, medium), small or medium chunks copied and held
+        # until they go together (SMALL_CHUNK_BYTES, MEDIUM_CHUNK_BYTES);
+        # guarded by _lock.
+        self._held: dict[tuple[int, bool], _Held] = {}
 
     def set_run_options(self, timeout: float | None, batch_bytes: int | None) -> None:
         """Apply the run's ``timeout`` and ``batch_bytes`` (see :meth:`Run.set_run_options`)."""
@@ -195,8 +214,40 @@ class Shuffler(Run):
         # pack's pieces lie in memory made for them, which nothing here holds after the call.
         self.insert(input_index, pieces, attempt=attempt, given=isinstance(pieces, PackedPieces))
 
+    def insert_frames(
+        self, input_index: int, parts: Sequence[tuple[Any, FrameAdapter]], npartitions: int, attempt: str = "",
+    ) -> None:
+        """Split several frames of one input (each by its own adapter) and :meth:`insert` all their pieces at once.
+
+        For inputs cut by position rather than by key (a rechunk's blocks,
+        whose adapters know their place, so ``on`` and ``ids`` are not
+        used). The pieces go in order of partition, each partition's in the
+        order of ``parts``, so per destination rank they travel in the same
+        chunks, sized as one insert's (:func:`_batches`): a chunk per frame
+        and rank was a message of a frame's bytes over the ranks, which at
+        16 ranks made the 4 MB blocks of a time-to-space rechunk 24,000
+        socket messages of ~250 KB.
+
+        Parameters
+        ----------
+        input_index, attempt
+            As :meth:`insert`: one input, one attempt, for all the frames.
+        parts
+            ``(frame, adapter)`` pairs.
+        npartitions
+            Output partitions of the run.
+        """
+        rank, nranks = self.comm.rank, self.comm.nranks
+        pairs: list[tuple[int, PackedData]] = []
+        for frame, adapter in parts:
+            pieces = adapter.split_for(frame, [], npartitions, None, rank=rank, nranks=nranks, pool=self.pool)
+            pairs.extend(pieces.items())
+        pairs.sort(key=lambda pair: pair[0])  # stable: each partition's pieces in the order of parts
+        self.insert(input_index, pairs, attempt=attempt)
+
     def insert(
-        self, input_index: int, pieces: Mapping[int, PackedData], attempt: str = "", *, given: bool = False
+        self, input_index: int, pieces: Mapping[int, PackedData] | Sequence[tuple[int, PackedData]],
+        attempt: str = "", *, given: bool = False,
     ) -> None:
         """Send the pieces of one input partition to their owners.
 
@@ -229,7 +280,9 @@ class Shuffler(Run):
             the barrier names the attempt whose data counts, and extract drops
             the others' pieces.
         pieces
-            Output partition id -> packed piece of that partition.
+            Output partition id -> packed piece of that partition; or
+            ``(partition id, piece)`` pairs, several per partition allowed,
+            in the order they go.
         given
             Whether the pieces' memory is handed over: nothing but the run
             reads or writes it after the call (pieces packed for this call
@@ -341,8 +394,10 @@ class Shuffler(Run):
         self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64]
     ) -> SendFuture:
         input_index, attempt, given = source
-        small = int(table.size[ix].sum()) <= SMALL_CHUNK_BYTES
-        held = small and dest != self.comm.rank
+        data_bytes = int(table.size[ix].sum())
+        small = data_bytes <= SMALL_CHUNK_BYTES
+        medium = not small and data_bytes < MEDIUM_CHUNK_BYTES
+        held = (small or medium) and dest != self.comm.rank
         # Held chunks travel together in one buffer of the receiver, which
         # frees it as a whole: their pages are not given back piece by piece
         # (counting them cost more than the shuffle at 2000 -> 2000 partitions
@@ -355,7 +410,7 @@ class Shuffler(Run):
             if dest != self.comm.rank:
                 self.statistics["bytes_sent"] += nbytes
         if held:
-            return self._hold(dest, frames)
+            return self._hold(dest, frames, medium=medium)
         tag = (TAG, self.op_id, "chunk")
         if small:
             # A small chunk for this rank goes to its postbox here, in the
@@ -370,33 +425,66 @@ class Shuffler(Run):
             return _done(copied=False)
         return self.comm.send_nowait(dest, tag, frames)
 
-    def _hold(self, dest: int, frames: list[Any]) -> SendFuture:
-        """Copy a small chunk for ``dest`` and hold it (see :data:`SMALL_CHUNK_BYTES`).
+    def _hold(self, dest: int, frames: list[Any], *, medium: bool = False) -> SendFuture:
+        """Copy a small (or ``medium``) chunk for ``dest`` and hold it (see :data:`SMALL_CHUNK_BYTES`,
+        :data:`MEDIUM_CHUNK_BYTES`).
 
         Returns the future of the message that took the held chunks if they
-        reached :data:`HELD_BYTES` (it counts against
-        :data:`IN_FLIGHT` as any send), else a future that is done already.
+        reached :data:`HELD_BYTES` (a medium chunk: if this chunk would not
+        fit beside them in :data:`HELD_MEDIUM_BYTES`; it then starts the next
+        buffer). That future counts against :data:`IN_FLIGHT` as any send's;
+        else a future that is done already.
         """
-        copies = [f if isinstance(f, bytes) else memoryview(f).cast("B").tobytes() for f in frames]
-        nbytes = sum(len(c) for c in copies)
+        key = (dest, medium)
+        if not medium:
+            copies = [f if isinstance(f, bytes) else memoryview(f).cast("B").tobytes() for f in frames]
+            nbytes = sum(len(c) for c in copies)
+            reservation = self.postbox.resource.reserve(MemoryType.HOST, nbytes)
+            with self._lock:
+                held = self._held.setdefault(key, _Held())
+                held.counts.append(len(copies))
+                held.frames.extend(copies)
+                held.reservations.append(reservation)
+                held.nbytes += nbytes
+                full = held.nbytes >= HELD_BYTES
+            sent = self._send_held(key) if full else None
+            return sent if sent is not None else _done(copied=True)
+        views = [memoryview(f).cast("B") for f in frames]
+        nbytes = sum(v.nbytes for v in views)
         reservation = self.postbox.resource.reserve(MemoryType.HOST, nbytes)
         with self._lock:
-            held = self._held.setdefault(dest, _Held())
-            held.counts.append(len(copies))
-            held.frames.extend(copies)
-            held.reservations.append(reservation)
-            held.nbytes += nbytes
-            full = held.nbytes >= HELD_BYTES
-        sent = self._send_held(dest) if full else None
-        return sent if sent is not None else _done(copied=True)
+            filled = self._held.get(key)
+            if filled is not None and filled.nbytes + nbytes > HELD_MEDIUM_BYTES:
+                del self._held[key]
+            else:
+                filled = None
+            into = self._held.get(key)
+            if into is None:
+                buffer = self.pool.array(HELD_MEDIUM_BYTES) if self.pool is not None else aligned_empty(HELD_MEDIUM_BYTES)
+                into = self._held[key] = _Held(buffer=buffer)
+            assert into.buffer is not None
+            at = into.nbytes
+            for v in views:
+                # Header and metadata are bytes already: kept as they are, not copied.
+                if isinstance(v.obj, bytes):
+                    into.frames.append(v.obj)
+                else:
+                    into.buffer[at : at + v.nbytes] = np.frombuffer(v, np.uint8)
+                    into.frames.append(into.buffer[at : at + v.nbytes])
+                    at += v.nbytes
+            into.counts.append(len(views))
+            into.reservations.append(reservation)
+            into.nbytes = at
+        return self._send_chunks(dest, filled) if filled is not None else _done(copied=True)
 
-    def _send_held(self, dest: int) -> SendFuture | None:
-        """Send the chunks held for ``dest`` as one ``"chunks"`` message; ``None`` if none are held."""
+    def _send_held(self, key: tuple[int, bool]) -> SendFuture | None:
+        """Send the chunks held for ``key`` (destination, medium) as one ``"chunks"`` message; ``None`` if none are held."""
         with self._lock:
-            held = self._held.pop(dest, None)
-        if held is None:
-            return None
-        fut = self.comm.send_nowait(dest, (TAG, self.op_id, "chunks"), [msgpack.packb(held.counts), *held.frames])
+            held = self._held.pop(key, None)
+        return None if held is None else self._send_chunks(key[0], held)
+
+    def _send_chunks(self, dest: int, held: _Held) -> SendFuture:
+        fut = self.comm.send_nowait(dest, (TAG, self.op_id, "chunks"), [packb(held.counts), *held.frames])
         # The bytes are the transport's now (as a copied message's are).
         fut.copied = True
         held.release()
@@ -404,9 +492,9 @@ class Shuffler(Run):
 
     def _send_all_held(self) -> None:
         with self._lock:
-            dests = list(self._held)
-        for dest in dests:
-            self._send_held(dest)
+            keys = list(self._held)
+        for key in keys:
+            self._send_held(key)
 
     # -- receive (progress thread) ---------------------------------------
     def receive(self, src: int, tag: Tag, frames: Frames) -> None:
@@ -625,11 +713,13 @@ class Shuffler(Run):
 
 @dataclasses.dataclass
 class _Held:
-    """Small chunks held for one destination (see :data:`SMALL_CHUNK_BYTES`)."""
+    """Small or medium chunks held for one destination (see :data:`SMALL_CHUNK_BYTES`, :data:`MEDIUM_CHUNK_BYTES`)."""
 
     #: Frames per chunk, in order; the chunks' frames one after another, copied.
     counts: list[int] = dataclasses.field(default_factory=list)
-    frames: list[bytes] = dataclasses.field(default_factory=list)
+    frames: list[Any] = dataclasses.field(default_factory=list)
+    #: Medium chunks: the buffer their data frames were copied into, back to back.
+    buffer: npt.NDArray[np.uint8] | None = None
     #: Their bytes, and what accounts them in the host budget.
     nbytes: int = 0
     reservations: list[Reservation] = dataclasses.field(default_factory=list)
@@ -647,8 +737,8 @@ def _done(*, copied: bool) -> SendFuture:
     return fut
 
 
-def _table_of(pieces: Mapping[int, PackedData]) -> PieceTable:
-    """The pieces of one insert as a :class:`~mpshuffle.memory.packed.PieceTable`, in the mapping's order.
+def _table_of(pieces: Mapping[int, PackedData] | Sequence[tuple[int, PackedData]]) -> PieceTable:
+    """The pieces of one insert as a :class:`~mpshuffle.memory.packed.PieceTable`, in the mapping's (or pairs') order.
 
     :func:`~mpshuffle.table._columns.pack`'s pieces are one already; for
     others, pieces that are slices of one parent ``pyarrow.Buffer`` (pooled or
@@ -657,8 +747,9 @@ def _table_of(pieces: Mapping[int, PackedData]) -> PieceTable:
     """
     if isinstance(pieces, PackedPieces):
         return pieces.table
-    pids = np.fromiter(pieces.keys(), np.int64, len(pieces))
-    values = list(pieces.values())
+    pairs = list(pieces.items()) if isinstance(pieces, Mapping) else list(pieces)
+    pids = np.fromiter((pid for pid, _ in pairs), np.int64, len(pairs))
+    values = [piece for _, piece in pairs]
     table = PieceTable.of_pieces(values, pids)
     datas = [p.data for p in values]
     parents = [d.parent if type(d) is pa.Buffer else None for d in datas]
@@ -773,7 +864,7 @@ def _chunk_frames(
         for b, lo, hi in zip(buffer_of[starts].tolist(), at[starts].tolist(), (at[ends] + size[ends]).tolist(),
                              strict=True)
     ]
-    header = msgpack.packb({
+    header = packb({
         "input": input_index, "attempt": attempt, "seq": seq, "metas": len(meta_frames),
         "pieces": compact_pieces(table.pids[ix], table.nrows[ix], meta_of, frame_of, offset, size),
         **({"given": True} if given else {}),
