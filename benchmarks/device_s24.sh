@@ -7,6 +7,8 @@
 #   rech2    issue 26 on a host whose cores outnumber the workers' threads: time-to-space and its reverse,
 #            float32 (400, 1000, 1000), 2 workers x 1 thread, mpshuffle / P2P / tasks alternated, 3 rounds
 #   rech16   the same at 16 workers x 1 thread and (1600, 1000, 1000) (6.4 GB), time-to-space, 2 rounds
+#   rech16ab the same, the code before this session's rechunk changes (old24/src: git archive 5d5717b src) against
+#            today's, mpshuffle and P2P, 2 rounds each
 #   ratio16  issue 23: 16 workers x 1 thread, 120 -> 120, 0.7 GB per worker, config line / function / P2P / tasks
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
@@ -26,6 +28,12 @@ for step in "$@"; do
              --name rechunk-h100-2w-s24 --out "$OUT" 2>&1 | quiet | grep -E "round|^\{" ;;
     rech16) timeout -k 10 400 python3 benchmarks/rechunk_bench.py --cases time-to-space --t 1600 --workers 16 \
               --repeat 2 --name rechunk-h100-16w-s24 --out "$OUT" 2>&1 | quiet | grep -E "round|^\{" ;;
+    rech16ab) for v in before after; do
+                pp="$PWD/src:/tmp/site"; [ $v = before ] && pp="$PWD/old24/src:/tmp/site"
+                PYTHONPATH="$pp" timeout -k 10 200 python3 benchmarks/rechunk_bench.py --cases time-to-space --t 1600 \
+                  --workers 16 --repeat 2 --methods mpshuffle,p2p --name rechunk-h100-16w-s24-$v --out "$OUT" 2>&1 \
+                  | quiet | grep -E "round" | sed "s/^/$v /"
+              done ;;
     ratio16) timeout -k 10 230 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 --rows 2121212 \
                --memory-limit 6 --repeats 2 --out "$OUT/config_line-h100-16w-s24.json" 2>&1 \
                | quiet | grep -E "^round|MB/s|x P2P|x tasks|peak|/" | tail -24 ;;
