@@ -66,8 +66,12 @@ if TYPE_CHECKING:
 
 __all__ = ["PandasAdapter"]
 
-# Conversions Arrow refuses: mixed-type object columns, unsupported objects.
-_ARROW_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)
+# Conversions Arrow refuses: mixed-type object columns, unsupported objects,
+# Python ints past 64 bits (OverflowError), strings with lone surrogates
+# (UnicodeEncodeError).
+_ARROW_CONVERSION_ERRORS = (
+    pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, UnicodeEncodeError,
+)
 _JSON_SCALARS = (str, int, float, bool)
 
 
@@ -207,23 +211,43 @@ def _pickled_positions(frame: pd.DataFrame, dtypes: tuple[Any, ...]) -> list[int
         elif isinstance(dtype, pd.api.extensions.ExtensionDtype) and not _extension_round_trips(dtype):
             out.append(i)
         elif dtype == object:
+            column = frame.iloc[:, i]
             try:
-                t = pa.array(frame.iloc[:, i], from_pandas=True).type
+                converted = pa.array(column, from_pandas=True)
             except _ARROW_CONVERSION_ERRORS:
                 out.append(i)
                 continue
-            if not _object_type_round_trips(t):
+            if not _object_type_round_trips(converted.type) or (
+                converted.null_count and not _objects_come_back(column.to_numpy())
+            ):
                 out.append(i)
     return out
 
 
+def _objects_come_back(values: npt.NDArray[Any]) -> bool:
+    """Whether an ``object`` array that Arrow takes as strings, bytes or booleans comes back as the same objects.
+
+    Arrow keeps one kind of missing value (null, back as ``None``):
+    ``NaN``, ``pd.NA`` or ``NaT`` among strings came back as ``None``. Such
+    columns travel pickled, as Dask's task shuffle moves them. (Values of
+    ``numpy.str_`` or ``numpy.bool_`` still come back as ``str`` or
+    ``bool``: telling them apart costs a Python call per value, ~75 ms per
+    million.)
+    """
+    missing = pd.isna(values)
+    return not missing.any() or all(v is None for v in values[missing])
+
+
 def _objects_round_trip_index(frame: pd.DataFrame, index_columns: Sequence[Column]) -> bool:
-    """Whether every ``object`` index level got an Arrow type that round-trips."""
+    """Whether every ``object`` index level got an Arrow type that round-trips, its missing values included."""
     if isinstance(frame.index, pd.RangeIndex):
         return True
     dtypes = list(frame.index.dtypes) if frame.index.nlevels > 1 else [frame.index.dtype]
-    for dtype, col in zip(dtypes, index_columns, strict=False):
-        if dtype == object and col.array is not None and not _object_type_round_trips(col.array.type):
+    for k, (dtype, col) in enumerate(zip(dtypes, index_columns, strict=False)):
+        if dtype == object and col.array is not None and (
+            not _object_type_round_trips(col.array.type)
+            or (col.array.null_count and not _objects_come_back(frame.index.get_level_values(k).to_numpy()))
+        ):
             return False
     return True
 
@@ -561,7 +585,9 @@ def _insert_pickled(frame: pd.DataFrame, pickled: Sequence[dict[int, pd.Series]]
     for position in sorted(pickled[0]):
         parts = [p[position] for p in pickled]
         values = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-        frame.insert(position, parts[0].name, values.array)
+        # As a Series of its own dtype: an object array given as it is is
+        # inferred (datetime.datetime objects became datetime64).
+        frame.insert(position, parts[0].name, pd.Series(values.array, index=frame.index, dtype=values.dtype, copy=False))
     return frame
 
 
@@ -720,7 +746,8 @@ class PandasAdapter(FrameAdapter):
         that string, so labels that are not JSON scalars (a ``Timestamp``,
         a tuple) or whose strings collide (``0`` beside ``"0"``) cannot be
         told apart on the way back; Dask's task shuffle moves such frames
-        pickled, and so does this.
+        pickled, and so does this; as it does a frame whose column index is
+        categorical.
 
         Raises
         ------
@@ -728,6 +755,10 @@ class PandasAdapter(FrameAdapter):
             If two columns have the same label.
         """
         columns = [c.item() if isinstance(c, np.generic) else c for c in frame.columns]
+        if isinstance(frame.columns.dtype, pd.CategoricalDtype):
+            # pyarrow records a categorical column index in its metadata and
+            # cannot read that back ("data type 'categorical' not understood").
+            return False
         if not frame.columns.is_unique:
             raise ShuffleError(f"column names must be unique, got {columns!r}")
         if all(isinstance(c, str) for c in columns):
