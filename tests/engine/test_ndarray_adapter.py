@@ -154,6 +154,24 @@ def test_unknown_extent_is_read_from_the_block() -> None:
     np.testing.assert_array_equal(out.unpack([pieces[1]], None)[1], block[:, 2:4])
 
 
+def test_blocks_of_another_byte_order_or_a_narrower_kind_are_cast_to_the_declared_dtype() -> None:
+    # Found by a breaker (session 24): a big-endian array's blocks arrive on a
+    # distributed worker in native order, and map_blocks trusts its dtype=.
+    full = np.arange(50, dtype=">i4").reshape(10, 5)
+    for declared, block in ((np.dtype(">i4"), full.astype("<i4")), (np.dtype("f8"), full.astype("f4")),
+                            (np.dtype("i8"), full.astype("i2"))):
+        pieces = NDArrayAdapter(declared, PLAN, (0, 0)).split(block[0:4], (), 6)
+        out = NDArrayAdapter(declared)
+        got = {b: a for p in pieces.values() for b, a in out.unpack([p], None).items()}
+        same = NDArrayAdapter(declared, PLAN, (0, 0)).split(full[0:4].astype(declared), (), 6)
+        want = {b: a for p in same.values() for b, a in out.unpack([p], None).items()}
+        assert sorted(got) == sorted(want) and all(a.dtype == declared for a in got.values())
+        for b, value in want.items():
+            np.testing.assert_array_equal(got[b], value)
+    with pytest.raises(ShuffleError, match="has dtype int64, the array declares int32"):
+        NDArrayAdapter(np.dtype("i4"), PLAN, (0, 0)).split(full[0:4].astype("i8"), (), 6)
+
+
 def test_bad_blocks_and_missing_pieces_are_named() -> None:
     full = np.arange(50, dtype="f8").reshape(10, 5)
     adapter = NDArrayAdapter(full.dtype, PLAN, (0, 0))

@@ -366,7 +366,23 @@ class NDArrayAdapter(FrameAdapter):
             raise ShuffleError("a numpy-block adapter needs its block plan and block index to cut a block")
         check_plain_block(frame, where)
         if frame.dtype != self.dtype:
-            raise ShuffleError(f"rechunk input block {where} has dtype {frame.dtype}, the array declares {self.dtype}")
+            # A block may differ from the array's declared dtype where Dask
+            # does not enforce it: a big-endian array's blocks arrive on a
+            # distributed worker in native byte order, and map_blocks trusts
+            # its dtype= argument. A block of the declared dtype in another
+            # byte order, or of its kind in fewer bytes (float32 for float64),
+            # is cast to it (the output blocks are of that dtype): the values
+            # stay exact. Others are refused.
+            same_kind_wider = (
+                frame.dtype.kind == self.dtype.kind and frame.dtype.kind in "biufc"
+                and frame.dtype.itemsize <= self.dtype.itemsize
+            )
+            if not (np.can_cast(frame.dtype, self.dtype, casting="equiv") or same_kind_wider):
+                raise ShuffleError(
+                    f"rechunk input block {where} has dtype {frame.dtype}, the array declares {self.dtype}, "
+                    "which cannot hold its values exactly"
+                )
+            frame = frame.astype(self.dtype)
         if frame.ndim != len(plan.cuts):
             raise ShuffleError(
                 f"rechunk input block {where} has {frame.ndim} dimensions, the array {len(plan.cuts)}"
