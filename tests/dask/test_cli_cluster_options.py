@@ -206,6 +206,16 @@ def test_the_one_config_line(cli_client: Client) -> None:
         assert (used["timeout"], used["spill_host"], used["batch_bytes"]) == (12.0, 567890, 4 * 2**20)
 
 
+def test_the_clients_max_npartitions_guards_the_one_config_line(cli_client: Client) -> None:
+    # Found by a breaker (session 24): Dask's operations build their tasks on
+    # the scheduler, and the limit was read from the scheduler's config there.
+    _, df = _frame()
+    with dask.config.set({"dataframe.shuffle.method": "mpshuffle", "mpshuffle.max-npartitions": 3}):
+        with pytest.raises(ValueError, match=r"npartitions=5 is more than mpshuffle.max-npartitions \(3\)"):
+            df.shuffle("k", npartitions=5).compute()
+        assert len(df.shuffle("k", npartitions=3).compute()) == len(df)
+
+
 def test_a_port_range_for_the_communicators(cli_client: Client) -> None:
     import socket
 

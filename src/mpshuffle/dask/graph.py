@@ -146,8 +146,13 @@ def _spec_of(blob: bytes) -> ShuffleSpec:
     return spec
 
 
-def check_npartitions(npartitions: Any) -> int:
-    """Return ``npartitions`` as an ``int`` in ``[1, mpshuffle.max-npartitions]``.
+def check_npartitions(npartitions: Any, limit: int | None = None) -> int:
+    """Return ``npartitions`` as an ``int`` in ``[1, limit]``; ``limit`` by default ``mpshuffle.max-npartitions``.
+
+    Read where the graph is built from the user's ``dask.config`` (the
+    client); a graph materialized elsewhere (Dask's own operations, on the
+    scheduler) was checked when it was lowered on the client and passes
+    ``limit`` on, so the scheduler's configuration never decides.
 
     Raises
     ------
@@ -162,7 +167,8 @@ def check_npartitions(npartitions: Any) -> int:
         raise TypeError(f"npartitions must be an integer, got {npartitions!r}")
     if npartitions < 1:
         raise ValueError(f"npartitions must be >= 1, got {npartitions}")
-    limit = max_npartitions()
+    if limit is None:
+        limit = max_npartitions()
     if npartitions > limit:
         raise ValueError(
             f"npartitions={int(npartitions)} is more than mpshuffle.max-npartitions ({limit}), the "
@@ -286,12 +292,14 @@ def shuffle_spec(
     options: Options | None = None,
     select: Sequence[Any] | None = None,
     input_keys: Sequence[Any] = (),
+    npartitions_limit: int | None = None,
 ) -> ShuffleSpec:
     """The :class:`ShuffleSpec` that every task of one shuffle carries, its arguments checked.
 
     Parameters are :func:`shuffle_graph`'s; ``input_keys`` only enters the
     default token (a ``token`` given is used as it is, so it must already
-    tell apart shuffles that differ in any of these arguments).
+    tell apart shuffles that differ in any of these arguments);
+    ``npartitions_limit`` is :func:`check_npartitions`' ``limit``.
 
     Returns
     -------
@@ -307,7 +315,7 @@ def shuffle_spec(
     on = tuple(on)
     if not on:
         raise ValueError("shuffle needs at least one key column in 'on'")
-    npartitions = check_npartitions(npartitions)
+    npartitions = check_npartitions(npartitions, npartitions_limit)
     # Decided once, here, and carried by every task (ShuffleSpec.options):
     # the scheduler and the workers never read their own dask.config for a run.
     if options is None:

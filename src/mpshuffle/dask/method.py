@@ -46,6 +46,7 @@ versions; it never falls back to another method silently.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, cast
 
 import dask
@@ -325,6 +326,8 @@ class MPInsert(_Blockwise):  # type: ignore[misc, valid-type]
             partitioner=self._partitioner,
             on_lossy_cast="keep",
             options=options,
+            # Checked against the client's mpshuffle.max-npartitions by _lower.
+            npartitions_limit=sys.maxsize,
         )
 
     def _task(self, name: Any, index: int) -> Any:
@@ -672,7 +675,11 @@ def install() -> None:
             return original_lower(self)
         check_dask_version()
         from mpshuffle.dask.dataframe import graph_options
+        from mpshuffle.dask.graph import check_npartitions
 
+        # Here, on the client, with the user's dask.config: the graph's tasks
+        # are built on the scheduler, whose configuration is not the user's.
+        check_npartitions(self.npartitions_out)
         frame, partitioning_index, partitioning = _before_partitioning(self)
         return mpshuffle_expr(
             frame,
