@@ -334,11 +334,14 @@ class TcpCommunicator(Communicator):
         table = ("__addresses__",)
         if self.rank == 0:
             waits = {r: asyncio.ensure_future(self._recv(r, ("__hello__",), timeout)) for r in range(1, self.nranks)}
-            if waits:
-                await asyncio.wait(waits.values(), timeout=timeout)
-            missing = tuple(r for r, t in waits.items() if not t.done() or t.exception() is not None)
-            for t in waits.values():
-                t.cancel()
+            try:
+                if waits:
+                    await asyncio.wait(waits.values(), timeout=timeout)
+                missing = tuple(r for r, t in waits.items() if not t.done() or t.exception() is not None)
+            finally:
+                # Also when the bootstrap is given up (closed) while they wait.
+                for t in waits.values():
+                    t.cancel()
             if missing:
                 raise CommTimeoutError(
                     f"bootstrap of generation {self.generation}: rank(s) "

@@ -155,6 +155,17 @@ class _Run:
     orphaned_since: float | None = None
 
 
+def _failure(task: asyncio.Future[Any]) -> str | None:
+    """The error of a finished ``mpshuffle_bootstrap`` call: its exception, or the error its answer names; else ``None``."""
+    if task.cancelled():
+        return "cancelled"
+    e = task.exception()
+    if e is not None:
+        return f"{type(e).__name__}: {e}"
+    joined = task.result()
+    return joined.error if getattr(joined, "error", None) is not None else None
+
+
 class ShuffleSchedulerPlugin(SchedulerPlugin):
     """mpshuffle's state on the scheduler (see the module docstring).
 
@@ -188,6 +199,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         self._ops = itertools.count(1)
         self._roots: dict[str, str] = {}
         self._root_events: dict[str, asyncio.Event] = {}
+        # A bootstrap's first failure, by generation, while it runs: waiters
+        # for its root hear of it at once (see _call_each).
+        self._failures: dict[str, str] = {}
         self._lock: asyncio.Lock | None = None
         self.bootstraps = 0
 
@@ -272,6 +286,7 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         finally:
             self._root_events.pop(new.id, None)
             self._roots.pop(new.id, None)
+            self._failures.pop(new.id, None)
         failed = {w: r for w, r in results.items() if isinstance(r, str)}
         if failed:
             new.stale = True
@@ -321,7 +336,24 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
 
         tasks = {w: asyncio.ensure_future(one(w)) for w in workers}
         timeout = bootstrap_timeout + _BOOTSTRAP_GRACE
-        await asyncio.wait(tasks.values(), timeout=timeout)
+        end = loop.time() + timeout
+        pending = set(tasks.values())
+        while pending and loop.time() < end:
+            done, pending = await asyncio.wait(pending, timeout=end - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            failed = [w for w, t in tasks.items() if t in done and _failure(t) is not None]
+            if failed and spec.generation not in self._failures:
+                # The others would wait for this rank until their timeout: a
+                # rank 0 that could not listen made rank 1 wait 30 s for its
+                # address, and the next bootstrap waited behind that one.
+                w = failed[0]
+                reason = f"rank {workers.index(w)} (worker {w}) failed: {_failure(tasks[w])}"
+                self._failures[spec.generation] = reason
+                event = self._root_events.get(spec.generation)
+                if event is not None:
+                    event.set()
+                for other, t in tasks.items():
+                    if not t.done():
+                        asyncio.ensure_future(self._abort(other, spec.generation, reason))
         results: dict[str, Joined | str] = {}
         for w, t in tasks.items():
             if not t.done():
@@ -333,6 +365,14 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 joined = t.result()
                 results[w] = joined.error if joined.error is not None else joined
         return results
+
+    async def _abort(self, address: str, generation: str, reason: str) -> None:
+        """Tell a worker still joining ``generation`` to give up (``mpshuffle_abort_bootstrap``); best effort."""
+        assert self.scheduler is not None
+        try:
+            await self.scheduler.rpc(address).mpshuffle_abort_bootstrap(generation=generation, reason=reason)
+        except Exception as e:  # noqa: BLE001 -- the worker's own timeout still ends its join
+            logger.debug("mpshuffle: could not abort the bootstrap on %s: %r", address, e)
 
     def _maybe_close(self, gen: _Generation) -> None:
         """Close a replaced or failed generation on its workers once no run uses it."""
@@ -396,6 +436,8 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
                 f"rank 0 (worker {gen.workers[0]}) of generation {generation} did not publish "
                 f"its address within {timeout:g} s"
             ) from None
+        if generation not in self._roots:
+            raise BootstrapError(f"bootstrap of generation {generation} stopped: {self._failures.get(generation)}")
         return self._roots[generation]
 
     # -- runs ------------------------------------------------------------

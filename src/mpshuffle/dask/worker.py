@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -68,6 +68,9 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         them, until the scheduler closes them.
     ``mpshuffle_close_generation(generation)``
         Close a generation's context: its progress thread, sockets, buffers.
+    ``mpshuffle_abort_bootstrap(generation, reason)``
+        Give up joining ``generation``: another rank failed its bootstrap,
+        so waiting for it until the timeout would only delay the error.
     ``mpshuffle_end_run(op_id, token)``
         Free a run's state (it finished or was released): :meth:`release_run`.
     ``mpshuffle_fail_run(op_id, token, reason)``
@@ -114,6 +117,9 @@ class ShuffleWorkerPlugin(WorkerPlugin):
         self._failed: dict[int, str] = {}
         worker.handlers["mpshuffle_bootstrap"] = self.bootstrap
         worker.handlers["mpshuffle_close_generation"] = self.close_generation
+        worker.handlers["mpshuffle_abort_bootstrap"] = self.abort_bootstrap
+        # Bootstraps the scheduler gave up on (another rank failed), with why.
+        self._aborted: dict[str, tuple[asyncio.Event, list[str]]] = {}
         worker.handlers["mpshuffle_end_run"] = self.release_run
         worker.handlers["mpshuffle_fail_run"] = self.fail_run
         self._moving = False
@@ -219,13 +225,16 @@ class ShuffleWorkerPlugin(WorkerPlugin):
                 # long as a rank of the bootstrap would.
                 hello_timeout=timeout,
             )
-            try:
+            async def meet() -> None:
                 if rank == 0:
                     root = comm.addresses[0]
                     await scheduler.mpshuffle_publish_root(generation=generation, address=root)
                 else:
                     root = await scheduler.mpshuffle_get_root(generation=generation, timeout=timeout)
                 await comm.rendezvous(root, timeout)
+
+            try:
+                await self._unless_aborted(generation, meet())
             except CommTimeoutError as e:
                 await asyncio.to_thread(comm.close)
                 who = ", ".join(f"rank {r} (worker {workers[r]})" for r in e.missing)
@@ -255,6 +264,36 @@ class ShuffleWorkerPlugin(WorkerPlugin):
             if options.preload_kernels:
                 self._preload()
             return Joined(rank, comm.addresses[rank])
+
+    async def abort_bootstrap(self, generation: str, reason: str) -> None:
+        """Handler: stop joining ``generation`` (or refuse to start), failing with ``reason``."""
+        event, reasons = self._aborted.setdefault(generation, (asyncio.Event(), []))
+        reasons.append(reason)
+        event.set()
+
+    async def _unless_aborted(self, generation: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` unless, or until, the scheduler aborts the bootstrap of ``generation``.
+
+        Raises
+        ------
+        BootstrapError
+            If it was aborted; names the rank that failed.
+        """
+        event, reasons = self._aborted.setdefault(generation, (asyncio.Event(), []))
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            self._aborted.pop(generation, None)
+        if task.done():
+            task.result()
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise BootstrapError(f"bootstrap of generation {generation} stopped: {reasons[0]}")
 
     def _preload(self) -> None:
         # Not awaited: the bootstrap (and its timeout) does not wait for it.
