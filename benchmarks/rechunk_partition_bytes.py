@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-import mpshuffle.dask.rechunk as rechunk
+from mpshuffle.dask import rechunk
 
 if __name__ == "__main__":
     rechunk.PARTITION_BYTES = int(float(sys.argv[1]) * 2**20)
