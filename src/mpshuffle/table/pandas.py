@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, cast
 
@@ -120,20 +120,22 @@ def _arrow_dtype_round_trips(frame: pd.DataFrame, position: int) -> bool:
     return True
 
 
-def _extension_round_trips(dtype: Any) -> bool:
-    """Whether a column of pandas extension dtype ``dtype`` goes to Arrow and back.
-
-    Remembered per dtype; a dtype that does not hash is tried each time.
-    """
+def _per_dtype(test: Callable[[Any], bool], dtype: Any) -> bool:
+    """``test(dtype)``, remembered per test and dtype; a dtype that does not hash is tried each time."""
     try:
-        return _extension_round_trips_cached(dtype)
+        return _per_dtype_cached(test, dtype)
     except TypeError:  # a dtype that does not hash
-        return _extension_converts(dtype)
+        return test(dtype)
 
 
-@lru_cache(maxsize=256)
-def _extension_round_trips_cached(dtype: Any) -> bool:
-    return _extension_converts(dtype)
+@lru_cache(maxsize=512)
+def _per_dtype_cached(test: Callable[[Any], bool], dtype: Any) -> bool:
+    return test(dtype)
+
+
+def _extension_round_trips(dtype: Any) -> bool:
+    """Whether a column of pandas extension dtype ``dtype`` goes to Arrow and back (remembered per dtype)."""
+    return _per_dtype(_extension_converts, dtype)
 
 
 def _extension_converts(dtype: Any) -> bool:
@@ -286,15 +288,7 @@ def _index_fits_arrow(frame: pd.DataFrame) -> bool:
 
 def _index_round_trips(dtype: Any) -> bool:
     """Whether a kept index level of extension dtype ``dtype`` goes to Arrow and back (remembered per dtype)."""
-    try:
-        return _index_round_trips_cached(dtype)
-    except TypeError:  # a dtype that does not hash
-        return _index_converts(dtype)
-
-
-@lru_cache(maxsize=256)
-def _index_round_trips_cached(dtype: Any) -> bool:
-    return _index_converts(dtype)
+    return _per_dtype(_index_converts, dtype)
 
 
 def _index_converts(dtype: Any) -> bool:
