@@ -15,6 +15,7 @@ from distributed import Client, wait
 
 from conftest import wait_for, worker_state
 from mpshuffle.dask import shuffle, shuffle_graph
+from mpshuffle.errors import ShuffleError
 from mpshuffle.table import partition_ids
 
 
@@ -216,6 +217,28 @@ def test_local_scheduler_without_client() -> None:
             _check(pdf, parts, ["k"])
             again = out.compute()
             pd.testing.assert_frame_equal(_sorted(again), _sorted(pdf))
+
+
+def test_a_run_that_failed_keeps_its_first_reason() -> None:
+    # Found by a breaker (session 24): each task that failed after the first
+    # (two computations of one graph at once on a local scheduler) nested the
+    # run's error into a new reason, so the message held the first failure
+    # four or more times.
+    from mpshuffle.dask.runtime import LocalRuntime
+    from mpshuffle.options import Options
+
+    runtime = LocalRuntime()
+    try:
+        run = runtime.get_run("token-first-reason", 2, options=Options())
+        ctx = runtime.context_for(run)
+        with pytest.raises(ShuffleError, match="the first failure"), runtime.guard("insert", run, ctx):
+            raise ValueError("the first failure")
+        with pytest.raises(ShuffleError), runtime.guard("extract", run, ctx):
+            raise ShuffleError(f"shuffle op {run.op_id} failed: {ctx._failed[run.op_id]}")
+        reason = str(ctx._failed[run.op_id])
+        assert reason.count("the first failure") == 1 and "extract" not in reason, reason
+    finally:
+        runtime.close()
 
 
 def test_multiprocessing_scheduler_is_refused() -> None:

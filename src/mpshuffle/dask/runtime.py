@@ -241,7 +241,11 @@ class LocalRuntime:
             with phase(name, f"rank {ctx.rank} ({ctx.workers[ctx.rank] if ctx.workers else ''})"):
                 yield
         except BaseException as e:
-            ctx.fail_run(run.op_id, f"shuffle op {run.op_id}: a {name} task failed: {e}")
+            if not ctx.has_ended(run.op_id):
+                # Once: the tasks that fail after it raise the run's error,
+                # which nested into a new reason each time made one message
+                # of four or more copies of the first.
+                ctx.fail_run(run.op_id, f"shuffle op {run.op_id}: a {name} task failed: {e}")
             with self._lock:
                 if self._runs.get(run.token) == run:
                     del self._runs[run.token]
