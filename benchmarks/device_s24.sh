@@ -9,7 +9,7 @@
 #   rech16   the same at 16 workers x 1 thread and (1600, 1000, 1000) (6.4 GB), time-to-space, 2 rounds
 #   rech16ab the same, the code before this session's rechunk changes (old24/src: git archive 5d5717b src) against
 #            today's, mpshuffle and P2P, 2 rounds each
-#   partsize the 16-worker case with output partitions of 64 MiB (the default) and 160 MiB, mpshuffle and P2P
+#   partsize the 16-worker case with output partitions of PARTSIZES MiB (default "64 160"; 64 is the default), mpshuffle and P2P
 #   ratio16  issue 23: 16 workers x 1 thread, 120 -> 120, 0.7 GB per worker, config line / function / P2P / tasks
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
@@ -35,7 +35,7 @@ for step in "$@"; do
                   --workers 16 --repeat 2 --methods mpshuffle,p2p --name rechunk-h100-16w-s24-$v --out "$OUT" 2>&1 \
                   | quiet | grep -E "round" | sed "s/^/$v /"
               done ;;
-    partsize) for mib in 64 160; do
+    partsize) for mib in ${PARTSIZES:-64 160}; do
                 timeout -k 10 200 python3 benchmarks/rechunk_partition_bytes.py $mib --cases time-to-space --t 1600 \
                   --workers 16 --repeat 2 --methods mpshuffle,p2p --name rechunk-h100-16w-s24-part$mib --out "$OUT" 2>&1 \
                   | quiet | grep -E "round" | sed "s/^/$mib MiB /"
