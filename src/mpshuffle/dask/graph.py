@@ -486,11 +486,7 @@ def insert(frame: Any, input_index: int, spec: ShuffleSpec, adapter: FrameAdapte
     with runtime.guard("insert", run, ctx):
         meta_adapter = get_adapter(spec.meta) if adapter is None else adapter
         adapter = get_adapter(frame) if adapter is None else adapter
-        if not adapter.matches(spec.meta):
-            raise ShuffleError(
-                f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
-                f"meta is a {type(spec.meta).__name__}"
-            )
+        _check_meta(adapter, frame, input_index, spec)
         whole = frame
         if spec.select is not None:
             names = adapter.column_names(frame)
@@ -533,11 +529,7 @@ def insert_parts(parts: Sequence[tuple[Any, FrameAdapter]], input_index: int, sp
         run, ctx, runtime = _bind(spec, inserting=True)
     with runtime.guard("insert", run, ctx):
         for frame, adapter in parts:
-            if not adapter.matches(spec.meta):
-                raise ShuffleError(
-                    f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
-                    f"meta is a {type(spec.meta).__name__}"
-                )
+            _check_meta(adapter, frame, input_index, spec)
         target = _run_of(ctx, run, spec)
         if isinstance(target, Shuffler):
             target.insert_frames(input_index, list(parts), spec.npartitions, attempt=attempt)
@@ -545,6 +537,15 @@ def insert_parts(parts: Sequence[tuple[Any, FrameAdapter]], input_index: int, sp
             for frame, adapter in parts:
                 target.insert_frame(input_index, frame, adapter, spec.on, spec.npartitions, attempt=attempt)
     return Inserted(run.op_id, run.generation, attempt)
+
+
+def _check_meta(adapter: FrameAdapter, frame: Any, input_index: int, spec: ShuffleSpec) -> None:
+    """Raise ``ShuffleError`` if ``adapter`` (the frame's) does not take the collection's meta."""
+    if not adapter.matches(spec.meta):
+        raise ShuffleError(
+            f"input partition {input_index} is a {type(frame).__name__}, but the collection's "
+            f"meta is a {type(spec.meta).__name__}"
+        )
 
 
 def _with_index(adapter: FrameAdapter, spec: ShuffleSpec) -> FrameAdapter:

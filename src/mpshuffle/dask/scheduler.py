@@ -162,8 +162,8 @@ def _failure(task: asyncio.Future[Any]) -> str | None:
     e = task.exception()
     if e is not None:
         return f"{type(e).__name__}: {e}"
-    joined = task.result()
-    return joined.error if getattr(joined, "error", None) is not None else None
+    error: str | None = task.result().error
+    return error
 
 
 class ShuffleSchedulerPlugin(SchedulerPlugin):
@@ -340,13 +340,13 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
         pending = set(tasks.values())
         while pending and loop.time() < end:
             done, pending = await asyncio.wait(pending, timeout=end - loop.time(), return_when=asyncio.FIRST_COMPLETED)
-            failed = [w for w, t in tasks.items() if t in done and _failure(t) is not None]
+            failed = [(w, e) for w, t in tasks.items() if t in done and (e := _failure(t)) is not None]
             if failed and spec.generation not in self._failures:
                 # The others would wait for this rank until their timeout: a
                 # rank 0 that could not listen made rank 1 wait 30 s for its
                 # address, and the next bootstrap waited behind that one.
-                w = failed[0]
-                reason = f"rank {workers.index(w)} (worker {w}) failed: {_failure(tasks[w])}"
+                w, error = failed[0]
+                reason = f"rank {workers.index(w)} (worker {w}) failed: {error}"
                 self._failures[spec.generation] = reason
                 event = self._root_events.get(spec.generation)
                 if event is not None:
@@ -359,11 +359,9 @@ class ShuffleSchedulerPlugin(SchedulerPlugin):
             if not t.done():
                 t.cancel()
                 results[w] = f"TimeoutError: did not finish bootstrapping within {timeout:g} s"
-            elif (e := t.exception()) is not None:  # the call itself failed (the worker went away)
-                results[w] = f"{type(e).__name__}: {e}"
-            else:
-                joined = t.result()
-                results[w] = joined.error if joined.error is not None else joined
+            else:  # the call's own failure (the worker went away), the error it answered, or its answer
+                failure = _failure(t)
+                results[w] = failure if failure is not None else t.result()
         return results
 
     async def _abort(self, address: str, generation: str, reason: str) -> None:

@@ -308,6 +308,7 @@ class ShuffleWorkerPlugin(WorkerPlugin):
     async def close_generation(self, generation: str) -> None:
         """Close generation ``generation`` on this worker (RPC handler); unknown ids are ignored."""
         ctx = self.contexts.pop(generation, None)
+        self._aborted.pop(generation, None)  # an abort that came after this worker's join ended
         if self.current == generation:
             self.current = None
         with self._runs_lock:

@@ -398,10 +398,11 @@ class Shuffler(Run):
         small = data_bytes <= SMALL_CHUNK_BYTES
         medium = not small and data_bytes < MEDIUM_CHUNK_BYTES
         held = (small or medium) and dest != self.comm.rank
-        # Held chunks travel together in one buffer of the receiver, which
-        # frees it as a whole: their pages are not given back piece by piece
-        # (counting them cost more than the shuffle at 2000 -> 2000 partitions
-        # of 500 rows).
+        # Held chunks are sent without ``given``: small ones arrive in one
+        # buffer of the receiver, which frees it as a whole (giving their pages
+        # back piece by piece cost more than the shuffle at 2000 -> 2000
+        # partitions of 500 rows); medium ones go through /dev/shm, whose
+        # pages every extract gives back as any mapped chunk's.
         frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix, given=given and not held)
         self._seq += len(ix)
         with self._lock:

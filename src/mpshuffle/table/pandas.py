@@ -694,12 +694,11 @@ class PandasAdapter(FrameAdapter):
         names = self._names(frame)
         if len(frame) == 0:
             return {}
-        if names is False:
+        if names is False or (self.index and not _index_fits_arrow(frame)):
+            # Labels or an index that Arrow's field names or conversion would change.
             return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         # The columns once, their dtypes from them: ``frame.dtypes`` builds a
         # Series of its own (~50 us on each new input frame).
-        if self.index and not _index_fits_arrow(frame):
-            return self._split_pickle(frame, self._ids(frame, on, npartitions, ids))
         items = list(frame.items())
         dtypes = tuple(series.dtype for _, series in items)
         pickled = _pickled_positions(frame, dtypes)
