@@ -19,7 +19,7 @@ main's code took 4.6 CPU-s in median against ``after``'s 6.4). Variant ``after-c
 ``after`` with the pieces for other ranks copied, never sent as views
 (``VIEW_SEND_SLACK`` set to 0 on the workers for the run); ``after-norelease``
 is ``after`` without giving received memory back at extract
-(``NDArrayAdapter.copies_pieces`` false on the workers). Each cluster is 2 workers x 1 thread of
+(``NDArrayAdapter.copies_pieces`` false on the workers). Each cluster is ``--workers`` (2) workers x 1 thread of
 16 GiB with the same persisted input; the variants take turns in rotated
 order, one at a time (the other cluster idles). Every output block is
 checked, CPU and peak are each cluster's own (``rechunk_bench._one``).
@@ -50,13 +50,13 @@ import mpshuffle.dask
 import mpshuffle.dask.rechunk as rc
 
 
-def _cluster(tmp: str, prepend: str | None) -> tuple[LocalCluster, Client]:
+def _cluster(tmp: str, prepend: str | None, workers: int = 2) -> tuple[LocalCluster, Client]:
     # Spawned workers take the parent's sys.path: put the older code first while they start.
     saved = list(sys.path)
     if prepend:
         sys.path.insert(0, prepend)
     try:
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0",
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0",
                                memory_limit="16GiB", local_directory=tmp)
     finally:
         sys.path[:] = saved
@@ -99,6 +99,10 @@ def main() -> None:
     p.add_argument("--before-src", required=True)
     p.add_argument("--t", type=int, default=400)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--workers", type=int, default=2, help="workers x 1 thread per cluster")
+    p.add_argument("--side", type=int, default=1000, help="spatial side S (a multiple of 20)")
+    p.add_argument("--partition-mib", type=float, default=0,
+                   help="output partition size of both versions' graphs (rechunk.PARTITION_BYTES; 0: their own)")
     p.add_argument("--variants", default="after,before,p2p,tasks")
     p.add_argument("--name", default="")
     p.add_argument("--warm", type=int, default=1,
@@ -109,21 +113,23 @@ def main() -> None:
     p.add_argument("--before-unaligned", action="store_true",
                    help="build the before graph without aligned_per_partition (code older than session 16)")
     a = p.parse_args()
-    side, small = 1000, 50
+    side, small = a.side, a.side // 20
     variants = a.variants.split(",")
     rows = []
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         if a.before_first:
-            clusters = {"before": _cluster(tmp, a.before_src), "after": _cluster(tmp, None)}
+            clusters = {"before": _cluster(tmp, a.before_src, a.workers), "after": _cluster(tmp, None, a.workers)}
         else:
-            clusters = {"after": _cluster(tmp, None), "before": _cluster(tmp, a.before_src)}
+            clusters = {"after": _cluster(tmp, None, a.workers), "before": _cluster(tmp, a.before_src, a.workers)}
         if any(v in ("p2p", "tasks") for v in variants):
-            clusters["dask"] = _cluster(tmp, None)
+            clusters["dask"] = _cluster(tmp, None, a.workers)
         try:
             inputs, pids = {}, {}
             clusters["before"][1].run(_alias_before)
             before_rc = _before_module(a.before_src)
+            if a.partition_mib:
+                rc.PARTITION_BYTES = before_rc.PARTITION_BYTES = int(a.partition_mib * 2**20)
             built_by = rc.rechunk
             for name, (_, client) in clusters.items():
                 rc.rechunk = before_rc.rechunk if name == "before" else built_by
@@ -191,7 +197,8 @@ def main() -> None:
             summary[f"x_{v}"] = [round(min(ratios), 2), round(statistics.median(ratios), 2), round(max(ratios), 2)]
     print(json.dumps(summary, indent=1))
     out = Path(__file__).resolve().parent / "results" / f"{a.name or 'rechunk-code-ab-' + a.case}.json"
-    out.write_text(json.dumps({"case": a.case, "t": a.t, "before_src": a.before_src, "load": load,
+    out.write_text(json.dumps({"case": a.case, "t": a.t, "side": side, "workers": a.workers,
+                               "partition_mib": a.partition_mib, "before_src": a.before_src, "load": load,
                                "summary": summary, "rows": rows}, indent=1))
     print("wrote", out)
 

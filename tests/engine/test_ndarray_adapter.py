@@ -12,7 +12,7 @@ from mpshuffle.config import resolve_options
 from mpshuffle.errors import ShuffleError
 from mpshuffle.memory.pool import HostPool
 from mpshuffle.shuffler.context import WorkerContext
-from mpshuffle.table.ndarray import BlockPlan, NDArrayAdapter
+from mpshuffle.table.ndarray import BlockPlan, NDArrayAdapter, _one_place_all, _read_index
 
 # One axis of 10 elements: input blocks (4, 6), output blocks (3, 3, 4).
 #   input 0 = [0, 4): output 0 takes 0:3 at 0, output 1 takes 3:4 at 0
@@ -502,6 +502,7 @@ def test_received_pieces_give_their_pages_back_as_they_are_placed(monkeypatch: p
         place(*args)
 
     monkeypatch.setattr(nd, "_place_view", spy)
+    monkeypatch.setattr(nd, "RELEASE_BATCH_BYTES", 0)  # give back after every piece (else in batches of 4 MiB)
     got = NDArrayAdapter(full.dtype, plan, partition=0).unpack(table, None)
     assert seen == [[j < k for j in range(steps)] for k in range(steps)]
     assert all(whole_pages_zero(k) for k in range(steps))
@@ -510,6 +511,40 @@ def test_received_pieces_give_their_pages_back_as_they_are_placed(monkeypatch: p
         j1, j2 = divmod(b, side // cut)
         np.testing.assert_array_equal(arr, full[:, cut * j1 : cut * (j1 + 1), cut * j2 : cut * (j2 + 1)])
     del table, got
+
+
+def test_pieces_back_to_back_are_given_back_as_one_range_and_nothing_else_is() -> None:
+    """Pieces 0 and 1 lie back to back, piece 2 after another partition's bytes: two ranges, whole pages only.
+
+    The page across the boundary of pieces 0 and 1 is whole only for the two
+    together, so it goes (piece by piece, it would stay); the other
+    partition's bytes between pieces 1 and 2 stay as they are.
+    """
+    import mmap
+
+    import pyarrow as pa
+
+    from mpshuffle.memory.packed import PieceTable
+
+    page = mmap.PAGESIZE
+    mapping = mmap.mmap(-1, 12 * page)
+    np.frombuffer(mapping, np.uint8)[:] = 7
+    offsets = [page // 2, page // 2 + 3 * page, 8 * page + page // 2]
+    sizes = [3 * page, 2 * page, 2 * page]
+    foreign = (offsets[1] + sizes[1], offsets[2])  # another partition's piece
+    table = PieceTable(
+        pids=np.zeros(3, np.int64), nrows=[1, 1, 1], meta_of=[0, 0, 0], metas=[b"m"],
+        buffer_of=np.zeros(3, np.int32), offset=offsets, size=sizes, buffers=[pa.py_buffer(memoryview(mapping))],
+    )
+    table.mapped = [(mapping, 0)]
+    one_by_one = sum(((o + n) // page - -(-o // page)) * page for o, n in zip(offsets, sizes, strict=True))
+    given = table.release_piece_pages(0, 3)
+    assert given == 4 * page + 1 * page == one_by_one + page  # pages 1-4 of the run, page 9 of piece 2
+    data = np.frombuffer(mapping, np.uint8)
+    assert not data[page : 5 * page].any() and not data[9 * page : 10 * page].any()
+    assert (data[: page] == 7).all() and (data[5 * page : 9 * page] == 7).all() and (data[10 * page :] == 7).all()
+    assert (data[foreign[0] : foreign[1]] == 7).all()
+    del table, data
 
 
 def test_rechunk_outputs_of_one_shape_share_an_output_block_and_object_blocks_stay_numpy() -> None:
@@ -530,3 +565,35 @@ def test_rechunk_outputs_of_one_shape_share_an_output_block_and_object_blocks_st
     for zero_size in ("S0", "U0", "V0"):  # no bytes to view: numpy's own empty array
         empty = _output_array((3, 2), np.dtype(zero_size))
         assert empty.shape == (3, 2) and empty.dtype == np.empty((3, 2), np.dtype(zero_size)).dtype
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_grid_pieces_whose_blocks_are_not_consecutive_in_their_partition(nranks: int) -> None:
+    """An input block of half the columns gives cuts for output blocks 0-2 and 6-8 of a partition of 12.
+
+    Each grid piece is still one array of cuts (one assignment), but into a
+    list of output blocks, not a run of them: placed right either way.
+    """
+    full = np.arange(2 * 4 * 6, dtype=np.int16).reshape(2, 4, 6)
+    cuts_x = tuple(tuple((3 * h + j, j, j + 1, 0) for j in range(3)) for h in range(2))
+    plan = BlockPlan(cuts=(tuple(((0, 0, 1, t),) for t in range(2)), (((0, 0, 2, 0), (1, 2, 4, 0)),), cuts_x),
+                     nout=(1, 2, 6), per_partition=12)
+    pool = HostPool(limit=2**24)
+    pieces = []
+    for rank in range(nranks):
+        for t in range(2):
+            for h in range(2):
+                got = NDArrayAdapter(full.dtype, plan, (t, 0, h)).split_for(
+                    full[t : t + 1, :, 3 * h : 3 * h + 3], (), plan.npartitions, rank=rank, nranks=nranks, pool=pool
+                )
+                if rank == 0:
+                    pieces.append(got[0])
+    # Each piece: 6 cuts of one shape, back to back, for output blocks 0, 1, 2, 6, 7, 8 (or 3-5, 9-11).
+    index = np.concatenate([_read_index(p.metadata, p.data)[2] for p in pieces])
+    one, runs = _one_place_all(index, index[:, 0], [6] * len(pieces), 3, full.dtype.itemsize)
+    assert one.all() and not runs.any()
+    out = NDArrayAdapter(full.dtype).unpack(pieces, None)
+    assert sorted(out) == list(range(12))
+    for b, block in out.items():
+        jy, jx = divmod(b, 6)
+        np.testing.assert_array_equal(block, full[:, 2 * jy : 2 * jy + 2, jx : jx + 1])

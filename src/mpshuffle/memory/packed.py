@@ -324,8 +324,8 @@ class PieceTable(Sequence[PackedData]):
             self.buffer_of[ix], self.offset[ix], self.size[ix], self.buffers, self.mapped, self.bases,
         )
 
-    def release_piece_pages(self, i: int) -> int:
-        """:meth:`release_pages` for piece ``i`` alone, the table's mappings kept for the others.
+    def release_piece_pages(self, i: int, stop: int | None = None) -> int:
+        """:meth:`release_pages` for piece ``i`` alone (or pieces ``i`` to ``stop - 1``), the table's mappings kept for the others.
 
         For a consumer that copies the pieces out one at a time (the rechunk's
         :meth:`~mpshuffle.table.ndarray.NDArrayAdapter.unpack`): a piece's
@@ -334,22 +334,45 @@ class PieceTable(Sequence[PackedData]):
         :meth:`release_pages` gives those pages back a second time, which
         frees nothing more; call it only for the pieces not released here.
 
+        Pieces that lie back to back in one mapping (a chunk's pieces of one
+        partition, sent together) are given back by one ``madvise`` call
+        per run of them: each call on a shared mapping flushes the TLBs of
+        every CPU that runs one of the process's threads, and a rechunk at
+        16 ranks places ~1,600 pieces of ~40 KB per extract.
+
         Returns
         -------
         int
-            Bytes given back (0 where the piece is not in a shared mapping).
+            Bytes given back (0 where no piece is in a shared mapping).
         """
         mapped = self.mapped
         if not mapped or not hasattr(mmap, "MADV_REMOVE"):
             return 0
-        where = mapped[int(self.buffer_of[i])]
+        stop = i + 1 if stop is None else stop
+        page = mmap.PAGESIZE
+        given = 0
+        run: tuple[int, int, int] | None = None  # buffer, first byte, end byte
+        for b, at, n in zip(self.buffer_of[i:stop].tolist(), self.offset[i:stop].tolist(),
+                            self.size[i:stop].tolist(), strict=True):
+            if run is not None and run[0] == b and run[2] == at:
+                run = (b, run[1], at + n)
+                continue
+            if run is not None:
+                given += self._release_range(*run, page)
+            run = (b, at, at + n)
+        if run is not None:
+            given += self._release_range(*run, page)
+        return given
+
+    def _release_range(self, buffer: int, first: int, end: int, page: int) -> int:
+        """Give back the whole pages of bytes ``first:end`` of buffer ``buffer``, where it lies in a mapping."""
+        assert self.mapped is not None
+        where = self.mapped[buffer]
         if where is None:
             return 0
         mapping, base = where
-        page = mmap.PAGESIZE
-        start = base + int(self.offset[i])
-        lo = -(-start // page) * page
-        hi = (start + int(self.size[i])) // page * page
+        lo = -(-(base + first) // page) * page
+        hi = (base + end) // page * page
         if hi <= lo:
             return 0
         mapping.madvise(mmap.MADV_REMOVE, lo, hi - lo)

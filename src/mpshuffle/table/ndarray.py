@@ -480,21 +480,35 @@ class NDArrayAdapter(FrameAdapter):
         # received pieces beside its output until the end.
         table = pieces if self.copies_pieces and isinstance(pieces, PieceTable) and pieces.mapped else None
         release = table.release_piece_pages if table is not None else None
+        counts = [len(rows) for _, _, rows in read]
+        # Which pieces place all their cuts by one assignment into ``stacked``,
+        # worked out for all pieces at once (per piece, the checks cost more
+        # than the copy of a piece of a few small cuts).
+        one, runs = _one_place_all(index, where, counts, ndim, self.dtype.itemsize) if stacked is not None and raw \
+            else (None, None)
+        firsts = index[np.cumsum(counts) - counts].tolist() if one is not None and len(index) else []
+        placed, placed_bytes = 0, 0  # pieces placed, not yet given back (in batches: see release_piece_pages)
         for k, (piece, (fmt, _, rows)) in enumerate(zip(pieces, read, strict=True)):
             mine = where[at : at + len(rows)]
             at += len(rows)
-            if release is not None and k:
-                release(k - 1)
+            if release is not None and k and placed_bytes >= RELEASE_BATCH_BYTES:
+                release(placed, k)
+                placed, placed_bytes = k, 0
+            placed_bytes += memoryview(piece.data).nbytes
             if fmt == VIEW:
                 _place_view(piece.data, views[k], self.dtype, mine, stacked, out)
                 continue
-            if stacked is not None and fmt == RAW and raw and len(rows) > 1 and _one_place(rows, self.dtype.itemsize):
-                shape = rows[0, 2 + ndim :].tolist()
+            if one is not None and runs is not None and fmt == RAW and one[k]:
+                assert stacked is not None
+                first = firsts[k]
+                shape = first[2 + ndim :]
                 n = math.prod(shape)
                 if n:
-                    cuts = np.frombuffer(piece.data, self.dtype, n * len(rows), int(rows[0, 1]))
-                    place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), shape, strict=True))
-                    stacked[(mine, *place)] = cuts.reshape(len(rows), *shape)  # type: ignore[index]
+                    cuts = np.frombuffer(piece.data, self.dtype, n * len(rows), first[1])
+                    place = tuple(slice(o, o + e) for o, e in zip(first[2 : 2 + ndim], shape, strict=True))
+                    w = int(mine[0])
+                    blocks_at: Any = slice(w, w + len(rows)) if runs[k] else mine
+                    stacked[(blocks_at, *place)] = cuts.reshape(len(rows), *shape)
                 continue
             values = pickle.loads(memoryview(piece.data)[rows.nbytes :]) if fmt == PICKLED else None
             for c, row in enumerate(rows.tolist()):
@@ -511,7 +525,7 @@ class NDArrayAdapter(FrameAdapter):
                         offsets = row[2 : 2 + ndim]
                         out[row[0]][tuple(slice(o, o + s) for o, s in zip(offsets, shape, strict=True))] = cut
         if table is not None:
-            table.release_piece_pages(len(table) - 1)
+            table.release_piece_pages(placed, len(table))
             table.forget_mappings()
         sizes = np.array([out[int(b)].size for b in blocks.tolist()], dtype=np.float64)
         if not np.array_equal(covered, sizes):
@@ -656,13 +670,32 @@ def _place_view(
         out[row[0]][tuple(slice(o, o + e) for o, e in zip(offsets, extents, strict=True))] = at(row[1], extents, strides)
 
 
-def _one_place(rows: npt.NDArray[np.int64], itemsize: int) -> bool:
-    """Whether a piece's cuts share offsets and extents and lie back to back in its data."""
-    if not (rows[:, 2:] == rows[0, 2:]).all():
-        return False
-    ndim = (rows.shape[1] - 2) // 2
-    size = math.prod(rows[0, 2 + ndim :].tolist()) * itemsize
-    return bool((rows[:, 1] == rows[0, 1] + np.arange(len(rows)) * size).all())
+def _one_place_all(
+    index: npt.NDArray[np.int64], where: npt.NDArray[np.intp], counts: Sequence[int], ndim: int, itemsize: int
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """Per piece: whether one assignment places all its cuts into the stacked output, and by a slice.
+
+    ``index`` holds the pieces' offset indexes one after the other
+    (``counts[k]`` rows for piece ``k``), ``where`` each row's position among
+    the output blocks. The first array is true for a piece whose cuts share
+    offsets and extents and lie back to back in its data (a grid piece of
+    one input block, :func:`_pack_grid`): its cuts are then one array of
+    ``(cuts, *extents)`` elements. The second is true where, besides, they
+    go to consecutive output blocks (a slice of the stacked output, not a
+    list of its blocks).
+    """
+    n = np.asarray(counts, np.int64)
+    if not len(index):
+        return np.zeros(len(n), bool), np.zeros(len(n), bool)
+    piece = np.repeat(np.arange(len(n)), n)
+    start = (np.cumsum(n) - n)[piece]
+    first = index[start]
+    step = np.prod(index[:, 2 + ndim :], axis=1) * itemsize
+    pos = np.arange(len(index)) - start
+    fits = (index[:, 2:] == first[:, 2:]).all(axis=1) & (index[:, 1] == first[:, 1] + pos * step)
+    one = np.bincount(piece, weights=~fits, minlength=len(n)) == 0
+    runs = one & (np.bincount(piece, weights=where != where[start] + pos, minlength=len(n)) == 0)
+    return one, runs
 
 
 def _rows(ndim: int, cuts: Sequence[tuple[int, Any, tuple[int, ...]]], at: Sequence[int]) -> npt.NDArray[np.int64]:
@@ -850,6 +883,11 @@ VIEW_MAX_SLACK = 2
 #: (~0.4 GB per worker, the space-to-time peak above P2P's), while the other
 #: kept views. On 3 ranks or more (a third of the block or less) they are copied.
 VIEW_MIN_SHARE = 0.4
+#: An extract gives the pages of the received pieces it has placed back
+#: once they add up to this many bytes (one call per run of pieces back to
+#: back, :meth:`~mpshuffle.memory.packed.PieceTable.release_piece_pages`),
+#: not piece by piece.
+RELEASE_BATCH_BYTES = 4 * 2**20
 #: A piece sent to another rank goes as a view (its byte range of the input
 #: block, written straight into the message: no copy into a pooled buffer
 #: first) only where that range is at most this many times its cuts' bytes:
@@ -888,44 +926,21 @@ def _pack_grid(
     :data:`VIEW_MIN_SHARE`; otherwise the kept pieces are copied as before):
     the ranges of partitions that interleave in the block overlap, and the
     budget counts every range.
+
+    What does not depend on the block's bytes or on where its cuts land in
+    the output blocks (which pieces, their buffers and byte ranges, the
+    copies, the offset index but its offsets) is worked out once per grid
+    shape and kept (:func:`_grid_pieces`): the blocks of a time-to-space
+    rechunk differ only in those, and at 16 ranks a 4 MB block gives 100
+    pieces, whose bookkeeping cost ~4x their copies when done per block.
     """
-    ndim = len(grid)
+    lay = _grid_pieces(plan, grid, frame.shape, frame.dtype.itemsize, rank, nranks, view_of is not None)
     counts = [len(g[2]) for g in grid]
     lengths = [g[1] for g in grid]
+    ndim = len(grid)
     region = frame[tuple(slice(g[0], g[0] + g[1] * n) for g, n in zip(grid, counts, strict=True))]
     split = region.reshape([v for n, length in zip(counts, lengths, strict=True) for v in (n, length)])
     view = split.transpose([*range(0, 2 * ndim, 2), *range(1, 2 * ndim, 2)])
-    elements = math.prod(lengths)
-    cut_bytes = elements * frame.dtype.itemsize
-    rows, elem = _grid_rows(grid, frame.shape)
-    rows[:, 1] *= cut_bytes
-    part = rows[:, 0] // plan.per_partition
-    ranges = _partition_ranges(part)
-    local = [partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
-    spans: dict[int, tuple[int, int]] = {}
-    sent_views: set[int] = set()
-    if view_of is not None:
-        reach = sum((length - 1) * st for length, st in zip(lengths, _c_strides(frame.shape), strict=True)) + 1
-        every = {
-            lo: (int(elem[lo]) * frame.dtype.itemsize, (int(elem[hi - 1]) + reach) * frame.dtype.itemsize)
-            for lo, hi in ranges
-        }
-        spans = {lo: every[lo] for (lo, _), mine in zip(ranges, local, strict=True) if mine}
-        held = sum(b - a for a, b in spans.values())
-        kept_bytes = sum(hi - lo for (lo, hi), mine in zip(ranges, local, strict=True) if mine) * cut_bytes
-        if not (held and held <= VIEW_MAX_SLACK * kept_bytes and held >= VIEW_MIN_SHARE * frame.nbytes):
-            spans = {}
-        sent_views = {
-            lo for (lo, hi), mine in zip(ranges, local, strict=True)
-            if not mine and every[lo][1] - every[lo][0] <= VIEW_SEND_SLACK * (hi - lo) * cut_bytes
-        }
-    # Pieces kept apart from those sent: only where more than one rank takes part (see above).
-    kept = [mine and (nranks > 1 or bool(spans)) for mine in local]
-    row_bytes = _index_bytes(ndim, 1)
-    away = sum(
-        hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if not k and lo not in sent_views
-    ) * (cut_bytes + row_bytes)
-    home = 0 if spans else sum(hi - lo for (lo, hi), k in zip(ranges, kept, strict=True) if k) * (cut_bytes + row_bytes)
 
     def fresh(nbytes: int) -> tuple[pa.Buffer | None, Any]:
         if not nbytes:
@@ -934,39 +949,146 @@ def _pack_grid(
         return buf, np.frombuffer(buf, dtype=np.uint8)
 
     # Index 0: the pieces sent away; 1: the pieces kept. Each filled from its start.
-    buffers = [fresh(away), fresh(home)]
-    at = [0, 0]
+    buffers = [fresh(lay.sizes[0]), fresh(lay.sizes[1])]
+    if lay.copies:
+        rows = lay.rows.copy()
+        for a, (g, index) in enumerate(zip(grid, lay.index, strict=True)):
+            rows[:, 2 + a] = g[3][index]
+        raw = rows.view(np.uint8).reshape(len(rows), -1)
+        for (_, shared_bytes), (at, which) in zip(buffers, lay.heads, strict=True):
+            if shared_bytes is not None and len(at):
+                shared_bytes[(at[:, None] + np.arange(raw.shape[1])).ravel()] = raw[which].ravel()
     pieces = {}
-    metadata = b""
-    if spans or sent_views:
+    for pid, keep, start, head, nbytes, segments, nrows, metadata in lay.copies:
+        shared, shared_bytes = buffers[keep]
+        assert shared is not None
+        if nbytes:
+            target = np.ndarray((nbytes // lay.cut_bytes, *lengths), frame.dtype, shared_bytes, start + head)
+            for where, lo, hi, shape in segments:
+                np.copyto(target[lo:hi].reshape(shape), view[where], casting="no")
+        pieces[pid] = PackedData(metadata, shared.slice(start, head + nbytes), nrows)
+    if lay.views:
         whole = pa.py_buffer(frame)
         metadata = _view_metadata(view_of or (), frame.shape, 0)
+        for pid, a, b, nrows in lay.views:
+            pieces[pid] = PackedData(metadata, whole.slice(a, b - a), nrows)
+    return dict(sorted(pieces.items()))
+
+
+@dataclass(frozen=True)
+class _GridPieces:
+    """How :func:`_pack_grid` cuts any block of one grid shape: all of it but the bytes and the cuts' offsets.
+
+    ``rows``: the offset index of every cut (C order of the grid), column 1
+    the cut's byte offset in its piece's data, the offsets' columns to be
+    filled per block from ``index`` (per axis, each cut's position along
+    it); ``sizes``: bytes of the buffer of pieces sent away and of pieces
+    kept; ``heads``: per buffer, where each row of the copied pieces'
+    indexes goes and which row it is; ``copies``: per copied piece
+    ``(partition, buffer, start, index bytes, cut bytes, segments, elements,
+    metadata)``, each segment ``(index into the grid view, first cut, end
+    cut, shape)``; ``views``: per piece that is a byte range of the block,
+    ``(partition, first byte, end byte, elements)``.
+    """
+
+    plan: BlockPlan
+    rows: npt.NDArray[np.int64]
+    index: tuple[npt.NDArray[np.intp], ...]
+    cut_bytes: int
+    sizes: tuple[int, int]
+    heads: tuple[tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]], ...]
+    copies: tuple[tuple[int, int, int, int, int, tuple[tuple[Any, int, int, tuple[int, ...]], ...], int, bytes], ...]
+    views: tuple[tuple[int, int, int, int], ...]
+
+
+#: :func:`_grid_pieces`' layouts, by plan (its ``id``; the entry holds the plan), grid shape, ranks and views.
+_GRID_PIECES: dict[Any, _GridPieces] = {}
+_GRID_PIECES_MAX = 64
+
+
+def _grid_pieces(
+    plan: BlockPlan, grid: _Grid, shape: tuple[int, ...], itemsize: int, rank: int, nranks: int, views: bool
+) -> _GridPieces:
+    """The :class:`_GridPieces` of a block of ``shape`` cut by ``grid`` (see :func:`_pack_grid`), kept per grid shape."""
+    key = (id(plan), shape, itemsize, rank, nranks, views, tuple((g[0], g[1], g[2].tobytes()) for g in grid))
+    lay = _GRID_PIECES.get(key)
+    if lay is not None and lay.plan is plan:
+        return lay
+    ndim = len(grid)
+    counts = [len(g[2]) for g in grid]
+    lengths = [g[1] for g in grid]
+    elements = math.prod(lengths)
+    cut_bytes = elements * itemsize
+    rows, elem = _grid_rows(grid, shape)
+    rows[:, 1] *= cut_bytes
+    part = rows[:, 0] // plan.per_partition
+    ranges = _partition_ranges(part)
+    local = [partition_owner(int(part[lo]), nranks) == rank for lo, _ in ranges]
+    spans: dict[int, tuple[int, int]] = {}
+    every: dict[int, tuple[int, int]] = {}
+    sent_views: set[int] = set()
+    nbytes_block = math.prod(shape) * itemsize
+    if views:
+        reach = sum((length - 1) * st for length, st in zip(lengths, _c_strides(shape), strict=True)) + 1
+        every = {lo: (int(elem[lo]) * itemsize, (int(elem[hi - 1]) + reach) * itemsize) for lo, hi in ranges}
+        spans = {lo: every[lo] for (lo, _), mine in zip(ranges, local, strict=True) if mine}
+        held = sum(b - a for a, b in spans.values())
+        kept_bytes = sum(hi - lo for (lo, hi), mine in zip(ranges, local, strict=True) if mine) * cut_bytes
+        if not (held and held <= VIEW_MAX_SLACK * kept_bytes and held >= VIEW_MIN_SHARE * nbytes_block):
+            spans = {}
+        sent_views = {
+            lo for (lo, hi), mine in zip(ranges, local, strict=True)
+            if not mine and every[lo][1] - every[lo][0] <= VIEW_SEND_SLACK * (hi - lo) * cut_bytes
+        }
+    # Pieces kept apart from those sent: only where more than one rank takes part (see _pack_grid).
+    kept = [mine and (nranks > 1 or bool(spans)) for mine in local]
+    row_bytes = _index_bytes(ndim, 1)
+    at = [0, 0]
+    copies = []
+    views_out = []
+    head_at: list[list[npt.NDArray[np.intp]]] = [[], []]
+    head_rows: list[list[npt.NDArray[np.intp]]] = [[], []]
     for (lo, hi), keep in zip(ranges, kept, strict=True):
+        pid = int(part[lo])
         if (keep and spans) or (not keep and lo in sent_views):
             a, b = spans[lo] if keep else every[lo]
-            pieces[int(part[lo])] = PackedData(metadata, whole.slice(a, b - a), (hi - lo) * elements)
+            views_out.append((pid, a, b, (hi - lo) * elements))
             continue
         head = (hi - lo) * row_bytes
         nbytes = (hi - lo) * cut_bytes
-        index = rows[lo:hi].copy()
-        index[:, 1] += head - lo * cut_bytes
-        shared, shared_bytes = buffers[keep]
-        assert shared is not None
-        data: Any = shared.slice(at[keep], head + nbytes)
-        shared_bytes[at[keep] : at[keep] + head] = index.view(np.uint8).ravel()
-        target_bytes = shared_bytes[at[keep] + head : at[keep] + head + nbytes]
-        at[keep] += head + nbytes
-        segments = _grid_segments(counts, lo, hi) if nbytes else iter(())
-        target = target_bytes.view(frame.dtype).reshape(hi - lo, *lengths) if nbytes else None
+        start = at[keep]
+        rows[lo:hi, 1] += head - lo * cut_bytes
+        head_at[keep].append(start + np.arange(0, head, row_bytes, dtype=np.intp))
+        head_rows[keep].append(np.arange(lo, hi, dtype=np.intp))
+        segments = []
         done = 0
-        for where in segments:
-            assert target is not None
-            src = view[where]
-            n = src.size // elements
-            np.copyto(target[done : done + n].reshape(src.shape), src, casting="no")
+        for where in _grid_segments(counts, lo, hi) if nbytes else ():
+            # The shape of view[where]: the ranges taken, the axes not indexed, the cut.
+            src_shape = (
+                *(len(range(*w.indices(n))) for w, n in zip(where, counts, strict=False) if isinstance(w, slice)),
+                *counts[len(where):], *lengths,
+            )
+            n = math.prod(src_shape[: len(src_shape) - ndim])
+            segments.append((where, done, done + n, src_shape))
             done += n
-        pieces[int(part[lo])] = PackedData(_HEAD.pack(RAW, ndim, hi - lo), data, (hi - lo) * elements)
-    return pieces
+        copies.append((pid, int(keep), start, head, nbytes, tuple(segments), (hi - lo) * elements,
+                       _HEAD.pack(RAW, ndim, hi - lo)))
+        at[keep] += head + nbytes
+    heads = []
+    for side in (0, 1):
+        if head_at[side]:
+            # The pieces' indexes, each where its piece starts: their rows' places and rows.
+            heads.append((np.concatenate(head_at[side]), np.concatenate(head_rows[side])))
+        else:
+            heads.append((np.zeros(0, np.intp), np.zeros(0, np.intp)))
+    lay = _GridPieces(
+        plan, rows, tuple(np.asarray(i, dtype=np.intp) for i in np.unravel_index(np.arange(len(rows)), counts)),
+        cut_bytes, (at[0], at[1]), tuple(heads), tuple(copies), tuple(views_out),
+    )
+    if len(_GRID_PIECES) >= _GRID_PIECES_MAX:
+        _GRID_PIECES.clear()
+    _GRID_PIECES[key] = lay
+    return lay
 
 
 def _grid_segments(counts: Sequence[int], lo: int, hi: int) -> Iterator[tuple[Any, ...]]:
