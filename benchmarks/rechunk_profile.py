@@ -63,10 +63,16 @@ def main() -> None:
     p.add_argument("--side", type=int, default=1000, help="spatial side S (a multiple of 20)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--methods", default="mpshuffle,p2p")
+    p.add_argument("--partition-mib", type=float, default=0,
+                   help="output partition size of mpshuffle's graph (rechunk.PARTITION_BYTES; 0: the default)")
     p.add_argument("--py-spy", default="")
     p.add_argument("--perf", default="", help="record mpshuffle runs with perf into this directory")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    if a.partition_mib:
+        import mpshuffle.dask.rechunk as rc
+
+        rc.PARTITION_BYTES = int(a.partition_mib * 2**20)
     side, small = a.side, a.side // 20
     rows = []
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(
