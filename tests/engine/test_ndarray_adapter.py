@@ -590,8 +590,8 @@ def test_grid_pieces_whose_blocks_are_not_consecutive_in_their_partition(nranks:
                     pieces.append(got[0])
     # Each piece: 6 cuts of one shape, back to back, for output blocks 0, 1, 2, 6, 7, 8 (or 3-5, 9-11).
     index = np.concatenate([_read_index(p.metadata, p.data)[2] for p in pieces])
-    one, runs = _one_place_all(index, index[:, 0], [6] * len(pieces), 3, full.dtype.itemsize)
-    assert one.all() and not runs.any()
+    one, runs, alike = _one_place_all(index, index[:, 0], [6] * len(pieces), 3, full.dtype.itemsize)
+    assert one.all() and not runs.any() and not alike.any()
     out = NDArrayAdapter(full.dtype).unpack(pieces, None)
     assert sorted(out) == list(range(12))
     for b, block in out.items():

@@ -484,8 +484,8 @@ class NDArrayAdapter(FrameAdapter):
         # Which pieces place all their cuts by one assignment into ``stacked``,
         # worked out for all pieces at once (per piece, the checks cost more
         # than the copy of a piece of a few small cuts).
-        one, runs = _one_place_all(index, where, counts, ndim, self.dtype.itemsize) if stacked is not None and raw \
-            else (None, None)
+        one, runs, alike = _one_place_all(index, where, counts, ndim, self.dtype.itemsize) \
+            if stacked is not None and raw else (None, None, None)
         firsts = index[np.cumsum(counts) - counts].tolist() if one is not None and len(index) else []
         placed, placed_bytes = 0, 0  # pieces placed, not yet given back (in batches: see release_piece_pages)
         for k, (piece, (fmt, _, rows)) in enumerate(zip(pieces, read, strict=True)):
@@ -496,7 +496,7 @@ class NDArrayAdapter(FrameAdapter):
                 placed, placed_bytes = k, 0
             placed_bytes += memoryview(piece.data).nbytes
             if fmt == VIEW:
-                _place_view(piece.data, views[k], self.dtype, mine, stacked, out)
+                _place_view(piece.data, views[k], self.dtype, mine, stacked, out, alike is not None and bool(alike[k]))
                 continue
             if one is not None and runs is not None and fmt == RAW and one[k]:
                 assert stacked is not None
@@ -638,14 +638,15 @@ class _ViewCuts:
 
 def _place_view(
     data: Any, cuts: _ViewCuts, dtype: np.dtype[Any], mine: npt.NDArray[np.intp],
-    stacked: npt.NDArray[Any] | None, out: dict[int, Any],
+    stacked: npt.NDArray[Any] | None, out: dict[int, Any], together: bool,
 ) -> None:
     """Copy the cuts of a :data:`VIEW` piece from its byte range of the input block into the output blocks.
 
-    Where the output blocks share one array, the cuts share their place, and
-    their blocks are consecutive there, one strided copy per segment of the
-    grid (:func:`_grid_segments`, worked out once per layout) moves them
-    all; else one copy per cut.
+    ``together`` (where the output blocks share one array ``stacked``, the
+    cuts share their place and extent, and their blocks are consecutive
+    there; :func:`_one_place_all`): one strided copy per segment of the grid
+    (:func:`_grid_segments`, worked out once per layout) moves them all;
+    else one copy per cut.
     """
     rows, strides = cuts.rows, cuts.layout.strides
     ndim = len(strides)
@@ -655,10 +656,7 @@ def _place_view(
         # A strided view of the piece from ``byte`` on (inside it: the layout says so).
         return np.ndarray(tuple(shape), dtype=dtype, buffer=data, offset=byte, strides=tuple(steps))
 
-    if (
-        stacked is not None and (rows[:, 2:] == rows[0, 2:]).all()
-        and int(mine[-1]) - int(mine[0]) == len(mine) - 1 and bool((np.diff(mine) == 1).all())
-    ):
+    if together and stacked is not None:
         place = tuple(slice(o, o + e) for o, e in zip(rows[0, 2 : 2 + ndim].tolist(), lengths, strict=True))
         for byte, shape, steps, done, n in cuts.layout.segments:
             k = int(mine[done])
@@ -672,8 +670,8 @@ def _place_view(
 
 def _one_place_all(
     index: npt.NDArray[np.int64], where: npt.NDArray[np.intp], counts: Sequence[int], ndim: int, itemsize: int
-) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
-    """Per piece: whether one assignment places all its cuts into the stacked output, and by a slice.
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """Per piece: whether one assignment places all its cuts into the stacked output, by a slice, and alike.
 
     ``index`` holds the pieces' offset indexes one after the other
     (``counts[k]`` rows for piece ``k``), ``where`` each row's position among
@@ -682,20 +680,23 @@ def _one_place_all(
     one input block, :func:`_pack_grid`): its cuts are then one array of
     ``(cuts, *extents)`` elements. The second is true where, besides, they
     go to consecutive output blocks (a slice of the stacked output, not a
-    list of its blocks).
+    list of its blocks). The third is true for a piece whose cuts share
+    offsets and extents and go to consecutive output blocks, wherever they
+    lie in its data (a :data:`VIEW` piece, see :func:`_place_view`).
     """
     n = np.asarray(counts, np.int64)
     if not len(index):
-        return np.zeros(len(n), bool), np.zeros(len(n), bool)
+        return np.zeros(len(n), bool), np.zeros(len(n), bool), np.zeros(len(n), bool)
     piece = np.repeat(np.arange(len(n)), n)
     start = (np.cumsum(n) - n)[piece]
     first = index[start]
     step = np.prod(index[:, 2 + ndim :], axis=1) * itemsize
     pos = np.arange(len(index)) - start
-    fits = (index[:, 2:] == first[:, 2:]).all(axis=1) & (index[:, 1] == first[:, 1] + pos * step)
-    one = np.bincount(piece, weights=~fits, minlength=len(n)) == 0
-    runs = one & (np.bincount(piece, weights=where != where[start] + pos, minlength=len(n)) == 0)
-    return one, runs
+    same = (index[:, 2:] == first[:, 2:]).all(axis=1)
+    one = np.bincount(piece, weights=~(same & (index[:, 1] == first[:, 1] + pos * step)), minlength=len(n)) == 0
+    consecutive = np.bincount(piece, weights=where != where[start] + pos, minlength=len(n)) == 0
+    alike = consecutive & (np.bincount(piece, weights=~same, minlength=len(n)) == 0)
+    return one, one & consecutive, alike
 
 
 def _rows(ndim: int, cuts: Sequence[tuple[int, Any, tuple[int, ...]]], at: Sequence[int]) -> npt.NDArray[np.int64]:
