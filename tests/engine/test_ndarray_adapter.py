@@ -597,3 +597,36 @@ def test_grid_pieces_whose_blocks_are_not_consecutive_in_their_partition(nranks:
     for b, block in out.items():
         jy, jx = divmod(b, 6)
         np.testing.assert_array_equal(block, full[:, 2 * jy : 2 * jy + 2, jx : jx + 1])
+
+
+def test_grid_layouts_are_kept_per_plan_within_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of one grid shape share a layout; a new plan (even at a freed plan's id) gets its own; the bound holds."""
+    import mpshuffle.table.ndarray as nd
+
+    monkeypatch.setattr(nd, "_GRID_PIECES", {})
+    full = np.arange(6 * 8 * 8, dtype=np.float64).reshape(6, 8, 8)
+
+    def rechunk(per_partition: int, nranks: int) -> None:
+        plan = _grid_plan(6, 8, 2, per_partition)
+        by_pid: dict[int, list] = {}
+        for rank in range(nranks):
+            for t in range(6):
+                pieces = NDArrayAdapter(full.dtype, plan, (t, 0, 0)).split_for(
+                    full[t : t + 1], (), plan.npartitions, rank=rank, nranks=nranks, pool=HostPool(limit=2**20)
+                )
+                for pid, piece in pieces.items():
+                    if pid % nranks == rank:
+                        by_pid.setdefault(pid, []).append(piece)
+        assert sum(entry.plan is plan for entry in nd._GRID_PIECES.values()) <= nranks  # one per rank, not per block
+        got = {b: a for ps in by_pid.values() for b, a in NDArrayAdapter(full.dtype).unpack(ps, None).items()}
+        assert sorted(got) == list(range(16))
+        for b, block in got.items():
+            j1, j2 = divmod(b, 4)
+            np.testing.assert_array_equal(block, full[:, 2 * j1 : 2 * j1 + 2, 2 * j2 : 2 * j2 + 2])
+
+    for per_partition, nranks in ((3, 2), (5, 3), (3, 1), (16, 2)):  # freed plans' ids may come back
+        rechunk(per_partition, nranks)
+    assert 0 < len(nd._GRID_PIECES) and sum(e.nbytes for e in nd._GRID_PIECES.values()) <= nd.GRID_PIECES_MAX_BYTES
+    monkeypatch.setattr(nd, "GRID_PIECES_MAX_BYTES", 1)  # no layout fits: each block works its own out
+    rechunk(5, 2)
+    assert nd._GRID_PIECES == {}

@@ -1001,10 +1001,18 @@ class _GridPieces:
     copies: tuple[tuple[int, int, int, int, int, tuple[tuple[Any, int, int, tuple[int, ...]], ...], int, bytes], ...]
     views: tuple[tuple[int, int, int, int], ...]
 
+    @property
+    def nbytes(self) -> int:
+        """About the bytes the layout holds: its arrays, and ~300 per piece for the tuples."""
+        arrays = [self.rows, *self.index, *(a for pair in self.heads for a in pair)]
+        return sum(a.nbytes for a in arrays) + 300 * (len(self.copies) + len(self.views))
+
 
 #: :func:`_grid_pieces`' layouts, by plan (its ``id``; the entry holds the plan), grid shape, ranks and views.
 _GRID_PIECES: dict[Any, _GridPieces] = {}
-_GRID_PIECES_MAX = 64
+#: The layouts kept are forgotten, all at once, before they would hold more
+#: than this many bytes (a block of 160,000 cuts has a layout of ~20 MB).
+GRID_PIECES_MAX_BYTES = 64 * 2**20
 
 
 def _grid_pieces(
@@ -1086,9 +1094,11 @@ def _grid_pieces(
         plan, rows, tuple(np.asarray(i, dtype=np.intp) for i in np.unravel_index(np.arange(len(rows)), counts)),
         cut_bytes, (at[0], at[1]), tuple(heads), tuple(copies), tuple(views_out),
     )
-    if len(_GRID_PIECES) >= _GRID_PIECES_MAX:
+    held = sum(entry.nbytes for entry in _GRID_PIECES.values())
+    if held + lay.nbytes > GRID_PIECES_MAX_BYTES:
         _GRID_PIECES.clear()
-    _GRID_PIECES[key] = lay
+    if lay.nbytes <= GRID_PIECES_MAX_BYTES:
+        _GRID_PIECES[key] = lay
     return lay
 
 
