@@ -69,6 +69,7 @@ own views.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import pickle
@@ -105,6 +106,12 @@ _CUT_ALIGN = 16  # each cut inside a piece
 _HEAD = struct.Struct("<BBq")
 #: A view piece's metadata after its head, per axis: the input block's position in the group, its extent.
 _VIEW_AXIS = struct.Struct("<qq")
+
+
+@functools.cache
+def _view_axes(ndim: int) -> struct.Struct:
+    """:data:`_VIEW_AXIS` for ``ndim`` axes, back to back: one unpack for a view piece's metadata."""
+    return struct.Struct("<" + "qq" * ndim)
 
 #: Per axis and input block: ``(output block, start, stop, offset)``, where
 #: ``start:stop`` is the piece's range in the input block (``stop`` -1: to the
@@ -287,6 +294,7 @@ class NDArrayAdapter(FrameAdapter):
         self.views = views
         self._grids: dict[tuple[int, int], Any] = {}  # see _regular_grid
         self._layouts: dict[Any, _ViewLayout] = {}  # see _view_cuts
+        self._grid_kinds: dict[tuple[int, int], Any] = {}  # see _view_cuts
 
     def matches(self, obj: object) -> bool:
         """Whether ``obj`` is a plain NumPy array (not a subclass such as a masked array)."""
@@ -547,9 +555,8 @@ class NDArrayAdapter(FrameAdapter):
         ndim = _HEAD.unpack_from(metadata)[1] if len(metadata) >= _HEAD.size else -1
         if ndim != len(plan.cuts) or len(metadata) != _HEAD.size + ndim * _VIEW_AXIS.size:
             raise ShuffleError(f"a rechunk view piece has a malformed header of {len(metadata)} bytes")
-        axes = [_VIEW_AXIS.unpack_from(metadata, _HEAD.size + a * _VIEW_AXIS.size) for a in range(ndim)]
-        where = tuple(w for w, _ in axes)
-        shape = tuple(n for _, n in axes)
+        values = _view_axes(ndim).unpack_from(metadata, _HEAD.size)
+        where, shape = values[0::2], values[1::2]
         if any(not 0 <= w < len(c) for w, c in zip(where, plan.cuts, strict=True)):
             raise ShuffleError(f"a rechunk view piece names input block {where}, outside the plan")
         grid = _regular_grid(plan, where, self._grids)
@@ -557,8 +564,16 @@ class NDArrayAdapter(FrameAdapter):
             raise ShuffleError(f"a rechunk view piece of input block {where}, whose cuts are not a regular grid")
         # The pieces of one partition from input blocks that differ only in
         # where their cuts land in the output blocks (time-to-space: every
-        # time step) share their layout; worked out once per partition.
-        key = (shape, tuple((g[0], g[1], g[2].tobytes()) for g in grid))
+        # time step) share their layout; worked out once per partition. Per
+        # axis, what the layout depends on is named once per block index.
+        kinds = self._grid_kinds
+        parts = []
+        for a, (i, g) in enumerate(zip(where, grid, strict=True)):
+            part = kinds.get((a, i))
+            if part is None:
+                part = kinds[a, i] = (g[0], g[1], g[2].tobytes())
+            parts.append(part)
+        key = (shape, tuple(parts))
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = _view_layout(plan, partition, grid, shape, self.dtype.itemsize)
@@ -787,15 +802,10 @@ def _regular_grid(
     reads the grids of many input blocks that share all axes but one).
     """
     grid: _Grid = []
-    stride = 1
-    strides = []
-    for axis in reversed(range(len(where))):
-        strides.append(stride)
-        stride *= plan.nout[axis]
-    strides.reverse()
     for axis, i in enumerate(where):
         entry: Any = cache.get((axis, i), False) if cache is not None else False
         if entry is False:
+            strides = _c_strides(plan.nout)
             cuts = plan.cuts[axis][i]
             first, length = cuts[0][1], cuts[0][2] - cuts[0][1]
             if length <= 0 or any(b < 0 or a != first + k * length or b - a != length
