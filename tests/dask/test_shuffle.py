@@ -219,6 +219,17 @@ def test_local_scheduler_without_client() -> None:
             pd.testing.assert_frame_equal(_sorted(again), _sorted(pdf))
 
 
+def test_extracts_on_many_threads_lose_no_rows() -> None:
+    """Found by a breaker (session 25): the extract that took a rank's last partition freed the run while
+    another thread's extract had taken its own and not read it yet (an empty partition, no error)."""
+    pdf = pd.DataFrame({"k": np.arange(6000) % 997, "v": np.arange(6000)})
+    df = dd.from_pandas(pdf, npartitions=24)
+    for _ in range(6):
+        out = shuffle(df, "k", npartitions=48, ignore_index=True)
+        parts = list(dask.compute(*out.to_delayed(), scheduler="threads", num_workers=8))
+        _check(pdf, parts, ["k"])
+
+
 def test_a_run_that_failed_keeps_its_first_reason() -> None:
     # Found by a breaker (session 24): each task that failed after the first
     # (two computations of one graph at once on a local scheduler) nested the

@@ -55,3 +55,42 @@ def test_send_after_close_fails_cleanly() -> None:
         gc.collect()
     assert got == [("t", 1)]  # nothing delivered after close
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_the_last_extract_to_finish_frees_the_run_not_the_last_to_start(
+    shuffler: Shuffler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a breaker (session 25): extracts on several threads of one worker.
+
+    The extract that took the last partition freed the run at once, while
+    another extract had taken its partition and not yet read it: that one
+    got no pieces (an empty DataFrame partition; a rechunk's "received no
+    pieces"). The run is freed by whichever extract ends last.
+    """
+    import threading
+
+    adapter = PandasAdapter()
+    frame = pd.DataFrame({"k": [0, 1, 2, 3], "v": [10, 11, 12, 13]})
+    ids = (frame["k"] % 2).to_numpy()
+    shuffler.insert(0, adapter.split(frame, ["k"], 2, ids=ids), attempt="a")
+    shuffler.barrier(2, accepted=["a"])
+    pop = shuffler.postbox.pop
+    inside, go = threading.Event(), threading.Event()
+
+    def slow_pop(partition_id: int, **kwargs):  # type: ignore[no-untyped-def]
+        if partition_id == 0:
+            inside.set()
+            assert go.wait(10)
+        return pop(partition_id, **kwargs)
+
+    monkeypatch.setattr(shuffler.postbox, "pop", slow_pop)
+    got: dict[int, pd.DataFrame] = {}
+    first = threading.Thread(target=lambda: got.__setitem__(0, adapter.unpack(shuffler.extract(0), frame.iloc[:0])))
+    first.start()
+    assert inside.wait(10)
+    got[1] = adapter.unpack(shuffler.extract(1), frame.iloc[:0])  # the last partition taken
+    assert not shuffler.closed  # partition 0 is still being read
+    go.set()
+    first.join(10)
+    assert got[0]["v"].tolist() == [10, 12] and got[1]["v"].tolist() == [11, 13]
+    assert shuffler.closed

@@ -647,12 +647,14 @@ class Shuffler(Run):
         self.wait()
         t0 = time.perf_counter()
         with self._lock:
-            last = self._take(partition_id)
+            self._take(partition_id)
         try:
             pieces = self.postbox.pop(partition_id, keep=self._keep)
         except SpillError as e:
             self.fail(e)
             raise
+        finally:
+            last = self._done_taking()
         self._update_spill_statistics()
         self.statistics["seconds_extract"] += time.perf_counter() - t0
         if last:

@@ -166,6 +166,10 @@ class Run(abc.ABC):
         self._lock = threading.Lock()
         self._owned: set[int] = set()
         self._extracted: set[int] = set()
+        # Extracts that took their partition and still read the run's state,
+        # and whether one of them was told to free the run (_done_taking).
+        self._extracting = 0
+        self._freeing = False
         self._inputs_done = False
         # The insert attempt whose data counts, per input partition (set by
         # the barrier); None keeps everything (no barrier named them).
@@ -307,10 +311,11 @@ class Run(abc.ABC):
                 + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
             )
 
-    def _take(self, partition_id: int) -> bool:
-        """Mark owned partition ``partition_id`` handed out; return whether it was the last one.
+    def _take(self, partition_id: int) -> None:
+        """Mark owned partition ``partition_id`` handed out and its extract under way.
 
-        Call with ``_lock`` held.
+        Call with ``_lock`` held, and :meth:`_done_taking` once the extract
+        has read what it needs of the run (also when it fails).
 
         Raises
         ------
@@ -329,7 +334,24 @@ class Run(abc.ABC):
                 f"output partition {partition_id} of {self.label} {self.op_id} was already extracted"
             )
         self._extracted.add(partition_id)
-        return self._extracted == self._owned
+        self._extracting += 1
+
+    def _done_taking(self) -> bool:
+        """End an extract begun by :meth:`_take`; return whether the caller frees the run now.
+
+        True for one caller only: the one that ends while every owned
+        partition is handed out and no other extract is still reading the
+        run's state. Not the extract that took the last partition: on a
+        worker of several threads another one may have taken its partition
+        before and not yet read it, and freeing the run then left it with
+        no pieces (found by a breaker, session 25).
+        """
+        with self._lock:
+            self._extracting -= 1
+            if self._extracting or self._extracted != self._owned or self._freeing:
+                return False
+            self._freeing = True
+            return True
 
     def _count(self, name: str, value: float) -> None:
         """Add ``value`` to statistic ``name`` (from any thread)."""

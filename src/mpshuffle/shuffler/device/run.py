@@ -536,23 +536,27 @@ class DeviceRun(Run):
         self._raise_if_failed()
         t1 = time.perf_counter()
         with self._lock:
-            last = self._take(partition_id)
+            self._take(partition_id)
             output = self._outputs.pop(partition_id, None)
             hits = [
                 (inc, i) for inc in self._incoming
                 for i, piece in enumerate(inc.pieces) if piece[0] == partition_id
             ]
-        if output is not None:  # consolidated: one piece, handed over to the caller
-            output.buffer.release()
-            found = [((0, 0), PackedData(output.meta, output.buffer.data, output.nrows))]
-        else:
-            hits.sort(key=lambda h: (h[0].input_index, h[0].src))
-            gathered = self._gather(partition_id, hits)
-            if gathered is not None:
-                found = [((0, 0), gathered)]
+        try:
+            if output is not None:  # consolidated: one piece, handed over to the caller
+                output.buffer.release()
+                found = [((0, 0), PackedData(output.meta, output.buffer.data, output.nrows))]
             else:
-                found = self._pieces_of(partition_id, hits)
-                found.sort(key=lambda x: x[0])
+                hits.sort(key=lambda h: (h[0].input_index, h[0].src))
+                gathered = self._gather(partition_id, hits)
+                if gathered is not None:
+                    found = [((0, 0), gathered)]
+                else:
+                    found = self._pieces_of(partition_id, hits)
+                    found.sort(key=lambda x: x[0])
+        finally:
+            # Whichever extract ends last frees the run (see ShuffleRun._done_taking).
+            last = self._done_taking()
         with self._lock:
             self.statistics["seconds_wait"] += t1 - t0
             self.statistics["seconds_extract"] += time.perf_counter() - t1
