@@ -617,7 +617,7 @@ def test_grid_layouts_are_kept_per_plan_within_their_bound(monkeypatch: pytest.M
                 for pid, piece in pieces.items():
                     if pid % nranks == rank:
                         by_pid.setdefault(pid, []).append(piece)
-        assert sum(entry.plan is plan for entry in nd._GRID_PIECES.values()) <= nranks  # one per rank, not per block
+        assert sum(entry.plan() is plan for entry in nd._GRID_PIECES.values()) <= nranks  # one per rank, not per block
         got = {b: a for ps in by_pid.values() for b, a in NDArrayAdapter(full.dtype).unpack(ps, None).items()}
         assert sorted(got) == list(range(16))
         for b, block in got.items():
@@ -627,6 +627,8 @@ def test_grid_layouts_are_kept_per_plan_within_their_bound(monkeypatch: pytest.M
     for per_partition, nranks in ((3, 2), (5, 3), (3, 1), (16, 2)):  # freed plans' ids may come back
         rechunk(per_partition, nranks)
     assert 0 < len(nd._GRID_PIECES) and sum(e.nbytes for e in nd._GRID_PIECES.values()) <= nd.GRID_PIECES_MAX_BYTES
+    # No plan is kept alive by its layouts; those of plans gone are dropped with the next one made.
+    assert all(entry.plan() is None for entry in nd._GRID_PIECES.values())
     monkeypatch.setattr(nd, "GRID_PIECES_MAX_BYTES", 1)  # no layout fits: each block works its own out
     rechunk(5, 2)
     assert nd._GRID_PIECES == {}

@@ -74,6 +74,7 @@ import itertools
 import math
 import pickle
 import struct
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -1002,7 +1003,7 @@ class _GridPieces:
     ``(partition, first byte, end byte, elements)``.
     """
 
-    plan: BlockPlan
+    plan: weakref.ref[BlockPlan]
     rows: npt.NDArray[np.int64]
     index: tuple[npt.NDArray[np.intp], ...]
     cut_bytes: int
@@ -1018,7 +1019,9 @@ class _GridPieces:
         return sum(a.nbytes for a in arrays) + 300 * (len(self.copies) + len(self.views))
 
 
-#: :func:`_grid_pieces`' layouts, by plan (its ``id``; the entry holds the plan), grid shape, ranks and views.
+#: :func:`_grid_pieces`' layouts, by plan (its ``id``; the entry holds a weak reference to it, so a plan
+#: freed, and another made at its address, is told apart, and a plan is not kept alive here), grid
+#: shape, ranks and views.
 _GRID_PIECES: dict[Any, _GridPieces] = {}
 #: The layouts kept are forgotten, all at once, before they would hold more
 #: than this many bytes (a block of 160,000 cuts has a layout of ~20 MB).
@@ -1031,7 +1034,7 @@ def _grid_pieces(
     """The :class:`_GridPieces` of a block of ``shape`` cut by ``grid`` (see :func:`_pack_grid`), kept per grid shape."""
     key = (id(plan), shape, itemsize, rank, nranks, views, tuple((g[0], g[1], g[2].tobytes()) for g in grid))
     lay = _GRID_PIECES.get(key)
-    if lay is not None and lay.plan is plan:
+    if lay is not None and lay.plan() is plan:
         return lay
     ndim = len(grid)
     counts = [len(g[2]) for g in grid]
@@ -1101,9 +1104,11 @@ def _grid_pieces(
         else:
             heads.append((np.zeros(0, np.intp), np.zeros(0, np.intp)))
     lay = _GridPieces(
-        plan, rows, tuple(np.asarray(i, dtype=np.intp) for i in np.unravel_index(np.arange(len(rows)), counts)),
+        weakref.ref(plan), rows, tuple(np.asarray(i, dtype=np.intp) for i in np.unravel_index(np.arange(len(rows)), counts)),
         cut_bytes, (at[0], at[1]), tuple(heads), tuple(copies), tuple(views_out),
     )
+    for old in [k for k, entry in _GRID_PIECES.items() if entry.plan() is None]:
+        _GRID_PIECES.pop(old, None)  # its plan is gone: a rechunk that ended
     held = sum(entry.nbytes for entry in _GRID_PIECES.values())
     if held + lay.nbytes > GRID_PIECES_MAX_BYTES:
         _GRID_PIECES.clear()
