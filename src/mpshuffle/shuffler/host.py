@@ -403,8 +403,9 @@ class Shuffler(Run):
         # back piece by piece cost more than the shuffle at 2000 -> 2000
         # partitions of 500 rows); medium ones go through /dev/shm, whose
         # pages every extract gives back as any mapped chunk's.
-        frames, nbytes = _chunk_frames(input_index, attempt, self._seq, table, ix, given=given and not held)
-        self._seq += len(ix)
+        with self._lock:  # inserts on several threads each take their own range of sequence numbers
+            seq, self._seq = self._seq, self._seq + len(ix)
+        frames, nbytes = _chunk_frames(input_index, attempt, seq, table, ix, given=given and not held)
         with self._lock:
             self._sent[dest] += 1
             self.statistics["chunks_sent"] += 1
@@ -624,7 +625,7 @@ class Shuffler(Run):
                     missing=tuple(missing),
                 )
         self._raise_if_failed()
-        self.statistics["seconds_wait"] += time.perf_counter() - t0
+        self._count("seconds_wait", time.perf_counter() - t0)
 
     def extract(self, partition_id: int) -> Sequence[PackedData]:
         """Return the pieces of one output partition, ordered by input partition.
@@ -656,7 +657,7 @@ class Shuffler(Run):
         finally:
             last = self._done_taking()
         self._update_spill_statistics()
-        self.statistics["seconds_extract"] += time.perf_counter() - t0
+        self._count("seconds_extract", time.perf_counter() - t0)
         if last:
             self._finish()
         return pieces
