@@ -493,21 +493,22 @@ class NDArrayAdapter(FrameAdapter):
         # Which pieces place all their cuts by one assignment into ``stacked``,
         # worked out for all pieces at once (per piece, the checks cost more
         # than the copy of a piece of a few small cuts).
-        one, runs, alike = _one_place_all(index, where, counts, ndim, self.dtype.itemsize) \
-            if stacked is not None and raw else (None, None, None)
-        firsts = index[np.cumsum(counts) - counts].tolist() if one is not None and len(index) else []
+        fits = _one_place_all(index, where, counts, ndim, self.dtype.itemsize) if stacked is not None and raw else None
+        one, runs, alike = fits if fits is not None else ((), (), ())
+        firsts = index[np.cumsum(counts) - counts].tolist() if fits is not None and len(index) else []
         placed, placed_bytes = 0, 0  # pieces placed, not yet given back (in batches: see release_piece_pages)
         for k, (piece, (fmt, _, rows)) in enumerate(zip(pieces, read, strict=True)):
             mine = where[at : at + len(rows)]
             at += len(rows)
-            if release is not None and k and placed_bytes >= RELEASE_BATCH_BYTES:
-                release(placed, k)
-                placed, placed_bytes = k, 0
-            placed_bytes += memoryview(piece.data).nbytes
+            if release is not None:
+                if k and placed_bytes >= RELEASE_BATCH_BYTES:
+                    release(placed, k)
+                    placed, placed_bytes = k, 0
+                placed_bytes += memoryview(piece.data).nbytes
             if fmt == VIEW:
-                _place_view(piece.data, views[k], self.dtype, mine, stacked, out, alike is not None and bool(alike[k]))
+                _place_view(piece.data, views[k], self.dtype, mine, stacked, out, fits is not None and bool(alike[k]))
                 continue
-            if one is not None and runs is not None and fmt == RAW and one[k]:
+            if fits is not None and fmt == RAW and one[k]:
                 assert stacked is not None
                 first = firsts[k]
                 shape = first[2 + ndim :]
