@@ -177,30 +177,52 @@ def test_copied_sends_stay_in_flight_across_inserts_within_the_bound(
 ) -> None:
     """A chunk the transport copied is not waited for at the end of its insert, but counts for the next ones.
 
-    Rank 2 stops reading. With one chunk per destination and insert, the
-    first two inserts return (their chunks to rank 2 were copied, so their
-    pieces are free); the third finds :data:`IN_FLIGHT` chunks to rank 2
-    still untaken and times out naming rank 2. A transport that reads the
-    caller's buffers makes the first insert wait and time out instead.
+    Rank 2 stops reading. With one small chunk per destination and insert
+    (far under :data:`IN_FLIGHT_BYTES`), the first :data:`IN_FLIGHT_MOST`
+    inserts return (their chunks to rank 2 were copied, so their pieces are
+    free); the next finds that many chunks to rank 2 still untaken and times
+    out naming rank 2. A transport that reads the caller's buffers makes the
+    first insert wait and time out instead.
     """
-    from mpshuffle.shuffler.host import IN_FLIGHT
+    from mpshuffle.shuffler.host import IN_FLIGHT_MOST
 
+    returned, info = _inserts_until_rank_2_stalls(ranks, IN_FLIGHT_MOST + 1)
+    copies = isinstance(ranks[0][1].comm, _CopyingGroup)
+    assert returned == (IN_FLIGHT_MOST if copies else 0)
+    assert info.value.missing == (2,)
+    assert "rank 2 (mem://2) did not take a chunk from rank 1 within 0.3 s" in str(info.value)
+
+
+def test_bytes_in_flight_hold_copied_sends_to_two_per_destination(
+    ranks: tuple[list[Shuffler], set[int], threading.Event], monkeypatch: Any,
+) -> None:
+    """Past :data:`IN_FLIGHT_BYTES` in flight, a destination gets :data:`IN_FLIGHT` chunks, not more."""
+    from mpshuffle.shuffler import host
+
+    monkeypatch.setattr(host, "IN_FLIGHT_BYTES", 1)
+    returned, info = _inserts_until_rank_2_stalls(ranks, host.IN_FLIGHT_MOST + 1)
+    copies = isinstance(ranks[0][1].comm, _CopyingGroup)
+    assert returned == (host.IN_FLIGHT if copies else 0)
+    assert info.value.missing == (2,)
+
+
+def _inserts_until_rank_2_stalls(
+    ranks: tuple[list[Shuffler], set[int], threading.Event], inserts: int,
+) -> tuple[int, Any]:
+    """Rank 1 inserts up to ``inserts`` times while rank 2 reads nothing; how many returned, and the timeout."""
     shufflers, frozen, _ = ranks
     frozen.add(2)
     s = shufflers[1]
     s._batch_bytes = 1 << 30
     s.timeout = 0.3
-    copies = isinstance(s.comm, _CopyingGroup)
     pieces = _pieces(6, 6)
     assert {2, 5} & set(pieces)
     returned = 0
     with pytest.raises(ShuffleTimeoutError) as info:
-        for i in range(IN_FLIGHT + 1):
+        for i in range(inserts):
             s.insert(i, _pieces(6, 6))
             returned += 1
-    assert returned == (IN_FLIGHT if copies else 0)
-    assert info.value.missing == (2,)
-    assert "rank 2 (mem://2) did not take a chunk from rank 1 within 0.3 s" in str(info.value)
+    return returned, info
 
 
 class _CountingGroup(_Group):

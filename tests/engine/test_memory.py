@@ -314,16 +314,22 @@ class _RecordingComm:
         return _LazyFuture(self, dest)
 
 
-def test_insert_keeps_at_most_two_chunks_in_flight_per_destination(tmp_path: Any, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("bytes_bound", [False, True])
+def test_insert_bounds_the_chunks_in_flight_per_destination(tmp_path: Any, monkeypatch: Any, bytes_bound: bool) -> None:
+    """At most :data:`IN_FLIGHT_MOST` chunks per destination in flight; :data:`IN_FLIGHT` once the bytes in
+    flight pass :data:`IN_FLIGHT_BYTES`."""
     monkeypatch.setattr(host, "SMALL_CHUNK_BYTES", -1)  # every chunk sent as it is made (as a large one is)
     monkeypatch.setattr(host, "MEDIUM_CHUNK_BYTES", 0)
+    if bytes_bound:
+        monkeypatch.setattr(host, "IN_FLIGHT_BYTES", 3 * 1601)  # two pieces in flight and the next one pass it
     comm = _RecordingComm()
     res = BufferResource({MemoryType.HOST: 10**9}, spill_dir=str(tmp_path))
     s = Shuffler(comm, 1, resource=res, timeout=5, batch_bytes=1000)  # type: ignore[arg-type]
     pieces = {pid: _piece(range(pid * 100, pid * 100 + 200)) for pid in range(40)}  # 1601 bytes each
     s.insert(0, pieces)
     assert comm.chunks == 40  # every piece passes batch_bytes on its own
-    assert host.IN_FLIGHT == 2 and comm.most_in_flight == 2
+    assert (host.IN_FLIGHT, host.IN_FLIGHT_MOST) == (2, 4)
+    assert comm.most_in_flight == (2 if bytes_bound else 4)
     assert comm.in_flight == {0: 0, 1: 0}
     # The pieces were accounted while insert held them, and released after.
     assert res.peak(MemoryType.HOST) == packed_nbytes(pieces.values())

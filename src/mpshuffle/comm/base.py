@@ -48,9 +48,13 @@ class SendFuture(concurrent.futures.Future[None]):
         its buffers at once, and the future only tells when the receiver took
         the message. ``False`` (the default) where the transport still reads
         the caller's buffers until the future ends.
+    nbytes
+        Bytes of data the message carries, for a sender's bound on what it
+        has in flight (set by the sender; 0 where it sets none).
     """
 
     copied: bool = False
+    nbytes: int = 0
 
 
 class Communicator(abc.ABC):

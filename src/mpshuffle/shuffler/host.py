@@ -100,6 +100,22 @@ RELEASE_MIN_BYTES = 2**20
 #: trip, and the workers used more CPU (``benchmarks/results/README.md``).
 #: What is in flight stays within the insert's own pieces, which exist anyway.
 IN_FLIGHT = 2
+#: Chunks in flight to one destination at most while the rank's chunks in
+#: flight to all destinations hold under :data:`IN_FLIGHT_BYTES` of data:
+#: past :data:`IN_FLIGHT`, a sender waits for the oldest chunk only where the
+#: bytes say so. Why (session 26): at 2 ranks on the 2-core VM the task thread
+#: of a rechunk's insert waited 0.13-0.15 of its 0.40-0.46 s for
+#: acknowledgements (the round trip through both ranks' progress threads, each
+#: waiting for its process's GIL); with 4 it waited 0.06-0.08 and the rechunk
+#: took 1.31-1.34 s against 1.38-1.44 (medians of 5, alternated). On many
+#: ranks the bytes keep it at :data:`IN_FLIGHT` (16 ranks x 2 chunks of a few
+#: MB are past the bound already), so what one rank can leave in ``/dev/shm``
+#: before its receivers take it does not grow with the ranks.
+IN_FLIGHT_MOST = 4
+#: Bytes of data in the chunks one rank (one insert, and what earlier inserts
+#: left copied in flight) may have in flight to all destinations before a
+#: destination's sends beyond :data:`IN_FLIGHT` wait.
+IN_FLIGHT_BYTES = 32 * 2**20
 #: A chunk for another rank whose pieces' data are at most this many bytes
 #: is copied at once and held with the other small chunks for that rank; they
 #: go as one ``"chunks"`` message once they reach :data:`HELD_BYTES`,
@@ -252,9 +268,11 @@ class Shuffler(Run):
         """Send the pieces of one input partition to their owners.
 
         Back-pressure: at most :data:`IN_FLIGHT` chunks (about ``batch_bytes``
-        each) per destination rank are in flight; before sending the next
-        chunk to a rank this waits, in the calling (task) thread, until the
-        oldest of them was handed to the transport. Receivers keep their memory bounded by
+        each) per destination rank are in flight, up to :data:`IN_FLIGHT_MOST`
+        while the rank's chunks in flight hold under :data:`IN_FLIGHT_BYTES`;
+        before sending the next chunk to a rank past that this waits, in the
+        calling (task) thread, until the oldest of them was handed to the
+        transport. Receivers keep their memory bounded by
         spilling, and while a receiver writes a spill file it reads no more
         data, so a slow disk slows the senders down instead of filling memory.
         The pieces are accounted as host memory while this call holds them.
@@ -340,11 +358,17 @@ class Shuffler(Run):
         self, in_flight: dict[int, list[SendFuture]], dest: int, source: tuple[int, str, bool],
         table: PieceTable, ix: npt.NDArray[np.int64], timeout: float,
     ) -> float:
-        """Send a chunk to ``dest`` once fewer than :data:`IN_FLIGHT` chunks to ``dest`` are in flight.
+        """Send a chunk to ``dest`` once the bound on chunks in flight allows it.
+
+        Fewer than :data:`IN_FLIGHT` chunks to ``dest`` in flight always
+        allow it; fewer than :data:`IN_FLIGHT_MOST` allow it while the chunks
+        in flight to every rank, this one included, hold at most
+        :data:`IN_FLIGHT_BYTES` of data.
 
         Returns the seconds it waited for that.
         """
         futs = in_flight.setdefault(dest, [])
+        nbytes = int(table.size[ix].sum())
         waited = 0.0
         while True:
             with self._lock:
@@ -352,7 +376,10 @@ class Shuffler(Run):
                 while earlier and earlier[0].done() and earlier[0].exception() is None:
                     earlier.popleft()
                 oldest = None
-                if len(futs) + (len(earlier) if earlier else 0) >= IN_FLIGHT:
+                count = len(futs) + (len(earlier) if earlier else 0)
+                if count >= IN_FLIGHT and (
+                    count >= IN_FLIGHT_MOST or self._bytes_in_flight(in_flight) + nbytes > IN_FLIGHT_BYTES
+                ):
                     # The oldest send to dest: an earlier insert's, else this one's.
                     oldest = earlier.popleft() if earlier else futs.pop(0)
             if oldest is None:
@@ -364,8 +391,14 @@ class Shuffler(Run):
                 self._raise_unsent([dest], timeout)
             waited += time.perf_counter() - t0
             self._raise_if_failed()
-        futs.append(self._send_chunk(dest, source, table, ix))
+        futs.append(self._send_chunk(dest, source, table, ix, nbytes))
         return waited
+
+    def _bytes_in_flight(self, in_flight: dict[int, list[SendFuture]]) -> int:
+        """Data bytes of the chunks not yet taken: this insert's (``in_flight``) and those earlier inserts
+        left copied in flight; under the run's lock."""
+        mine = sum(f.nbytes for futs in in_flight.values() for f in futs if not f.done())
+        return mine + sum(f.nbytes for futs in self._copied_in_flight.values() for f in futs if not f.done())
 
     def _raise_unsent(self, dests: list[int], timeout: float) -> None:
         """Raise the timeout of sends that did not complete, naming the ranks that stopped reading.
@@ -391,10 +424,9 @@ class Shuffler(Run):
         raise ShuffleTimeoutError(f"shuffle op {self.op_id}: " + "; ".join(parts), missing=tuple(sorted(dests)))
 
     def _send_chunk(
-        self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64]
+        self, dest: int, source: tuple[int, str, bool], table: PieceTable, ix: npt.NDArray[np.int64], data_bytes: int,
     ) -> SendFuture:
         input_index, attempt, given = source
-        data_bytes = int(table.size[ix].sum())
         small = data_bytes <= SMALL_CHUNK_BYTES
         medium = not small and data_bytes < MEDIUM_CHUNK_BYTES
         held = (small or medium) and dest != self.comm.rank
@@ -425,7 +457,9 @@ class Shuffler(Run):
             # filed here, the 4.5 GB out-of-core shuffle took ~15 % more time.
             self.receive(dest, tag, frames)
             return _done(copied=False)
-        return self.comm.send_nowait(dest, tag, frames)
+        fut = self.comm.send_nowait(dest, tag, frames)
+        fut.nbytes = data_bytes
+        return fut
 
     def _hold(self, dest: int, frames: list[Any], *, medium: bool = False) -> SendFuture:
         """Copy a small (or ``medium``) chunk for ``dest`` and hold it (see :data:`SMALL_CHUNK_BYTES`,
