@@ -204,6 +204,31 @@ def test_partitions_tile_the_grid_of_output_blocks() -> None:
     assert tile(50, (1, 1, 1009)) == 50  # no tiling count within twice: as the bytes say
 
 
+def test_partitions_spread_blocks_evenly_over_the_ranks() -> None:
+    """Among tiling counts within twice the bytes' count, the one that gives no rank more blocks comes first."""
+    tile = rechunk_module.aligned_per_partition
+    assert tile(16, (400, 1, 1), 2) == 20  # 25 partitions of 16 are 13 and 12: 20 of 20 are 10 and 10
+    assert tile(4, (1, 20, 20), 16) == 5  # 100 of 4 are 7 and 6 per rank: 80 of 5 are 5 each
+    assert tile(16, (1, 20, 20), 2) == 20  # whole rows, even already
+    assert tile(100, (400,), 2) == 100  # 4 partitions, 2 each: the bytes' count stays
+    assert tile(16, (400, 1, 1), 1) == 16  # one rank: nothing to balance
+    assert tile(1, (4,), 16) == 1  # fewer blocks than ranks: the finest
+    assert tile(3, (7,), 2) == 3  # no tiling count near: as the bytes say
+
+
+def test_space_to_time_partitions_are_even_over_two_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(400, 1, 1) -> (1, 2, 2) blocks, 400 output blocks of 16 bytes in partitions of 16 by bytes: on 2
+    workers 20 partitions of 20 (10 each), not 25 of 16 (13 and 12); on one, 25; exact values both."""
+    x = da.arange(400 * 2 * 2, dtype="f4").reshape(400, 2, 2).rechunk((400, 1, 1))
+    monkeypatch.setattr(rechunk_module, "PARTITION_BYTES", 256)
+    for workers, partitions in ((2, 20), (1, 25)):
+        monkeypatch.setattr(rechunk_module, "_cluster", lambda options, keys=(), w=workers: ((w, 256), {}))
+        y = x.rechunk((1, 2, 2), method="mpshuffle")
+        extracts = {k for k in y.__dask_graph__() if isinstance(k, tuple) and "-extract-" in k[0]}
+        assert len(extracts) == partitions
+        np.testing.assert_array_equal(y.compute(scheduler="sync"), x.compute())
+
+
 def test_time_to_space_partitions_are_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """(1, 40, 40) -> (4, 2, 2) with partitions of 16 blocks by bytes: 20 (a row of the grid), exact values."""
     x = da.arange(4 * 40 * 40, dtype="f4").reshape(4, 40, 40).rechunk((1, 40, 40))
