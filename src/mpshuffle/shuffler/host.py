@@ -82,8 +82,17 @@ TAG = "mps"
 #: An insert's pieces for one destination go in up to this many chunks, each a
 #: range of neighbouring partitions (pieces are in partition order), so the
 #: receiver's postbox frees a chunk once its range is extracted instead of
-#: holding every received chunk until the rank's last extract.
-RELEASE_GROUPS = 8
+#: holding every received chunk until the rank's last extract. Two, not eight
+#: (session 26): chunks are at most ``batch_bytes`` (4 MiB) anyway, so the
+#: groups only cut inserts of a few MiB per destination finer, and pages of
+#: extracted pieces go back before their chunk does (see *Receive* in
+#: ``docs/architecture.md``). With eight, a 35 MB insert sent each of 2 ranks
+#: eight chunks of 2.2 MB instead of five of 4 MiB, and the messages cost: on the
+#: 2-core VM the config line ran at 969-978 MB/s against 889 (1.82-1.85
+#: against 1.98 CPU-s/GB, the same peak), the 1.6 GB time-to-space rechunk
+#: in 1.29 s against 1.40-1.41 (medians, alternated); 120 partitions of
+#: 4.4 MB (``extract_timeline.py``) cut the same and peaked the same.
+RELEASE_GROUPS = 2
 #: ... of at least this many bytes each: a chunk costs a message (a send, a
 #: receive, an acknowledgement, between ranks of one host a shared-memory
 #: file), measured at 0.2-0.4 ms of CPU on the 2-core VM, so at this size the
