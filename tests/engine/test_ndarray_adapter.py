@@ -632,3 +632,44 @@ def test_grid_layouts_are_kept_per_plan_within_their_bound(monkeypatch: pytest.M
     monkeypatch.setattr(nd, "GRID_PIECES_MAX_BYTES", 1)  # no layout fits: each block works its own out
     rechunk(5, 2)
     assert nd._GRID_PIECES == {}
+
+
+def test_grid_layouts_kept_from_many_threads_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inserts on several threads (a worker of several threads) cut blocks of many plans at once: the layouts
+    they keep are shared, and no thread sees the others change them (it failed with "dictionary changed size
+    during iteration" about once in six rounds of a rechunk on 2 workers x 4 threads)."""
+    import sys
+    import threading
+
+    import mpshuffle.table.ndarray as nd
+
+    monkeypatch.setattr(nd, "_GRID_PIECES", {})
+    monkeypatch.setattr(nd, "GRID_PIECES_MAX_BYTES", 20_000)  # a few layouts: they are forgotten often
+    full = np.arange(6 * 8 * 8, dtype=np.float64).reshape(6, 8, 8)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def cut(seed: int) -> None:
+        start.wait()
+        try:
+            for k in range(60):
+                plan = _grid_plan(6, 8, 2, 1 + (seed + k) % 7)  # a new plan each time: new keys, dead ones
+                for t in range(6):
+                    pieces = NDArrayAdapter(full.dtype, plan, (t, 0, 0)).split_for(
+                        full[t : t + 1], (), plan.npartitions, rank=0, nranks=2, pool=None
+                    )
+                    assert sum(p.nbytes for p in pieces.values()) >= full[t].nbytes // 2
+        except BaseException as e:  # noqa: BLE001 -- reported by the main thread
+            errors.append(e)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        threads = [threading.Thread(target=cut, args=(i,)) for i in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []

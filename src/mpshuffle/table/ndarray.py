@@ -74,6 +74,7 @@ import itertools
 import math
 import pickle
 import struct
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -1024,6 +1025,10 @@ class _GridPieces:
 #: freed, and another made at its address, is told apart, and a plan is not kept alive here), grid
 #: shape, ranks and views.
 _GRID_PIECES: dict[Any, _GridPieces] = {}
+#: Held while :func:`_grid_pieces` forgets and stores layouts: the inserts of a
+#: worker of several threads cut blocks at once, and one thread's scan of the
+#: layouts met another's change ("dictionary changed size during iteration").
+_GRID_PIECES_LOCK = threading.Lock()
 #: The layouts kept are forgotten, all at once, before they would hold more
 #: than this many bytes (a block of 160,000 cuts has a layout of ~20 MB).
 GRID_PIECES_MAX_BYTES = 64 * 2**20
@@ -1108,13 +1113,14 @@ def _grid_pieces(
         weakref.ref(plan), rows, tuple(np.asarray(i, dtype=np.intp) for i in np.unravel_index(np.arange(len(rows)), counts)),
         cut_bytes, (at[0], at[1]), tuple(heads), tuple(copies), tuple(views_out),
     )
-    for old in [k for k, entry in _GRID_PIECES.items() if entry.plan() is None]:
-        _GRID_PIECES.pop(old, None)  # its plan is gone: a rechunk that ended
-    held = sum(entry.nbytes for entry in _GRID_PIECES.values())
-    if held + lay.nbytes > GRID_PIECES_MAX_BYTES:
-        _GRID_PIECES.clear()
-    if lay.nbytes <= GRID_PIECES_MAX_BYTES:
-        _GRID_PIECES[key] = lay
+    with _GRID_PIECES_LOCK:
+        for old in [k for k, entry in _GRID_PIECES.items() if entry.plan() is None]:
+            _GRID_PIECES.pop(old, None)  # its plan is gone: a rechunk that ended
+        held = sum(entry.nbytes for entry in _GRID_PIECES.values())
+        if held + lay.nbytes > GRID_PIECES_MAX_BYTES:
+            _GRID_PIECES.clear()
+        if lay.nbytes <= GRID_PIECES_MAX_BYTES:
+            _GRID_PIECES[key] = lay
     return lay
 
 
