@@ -214,6 +214,11 @@ def test_partitions_spread_blocks_evenly_over_the_ranks() -> None:
     assert tile(16, (400, 1, 1), 1) == 16  # one rank: nothing to balance
     assert tile(1, (4,), 16) == 1  # fewer blocks than ranks: the finest
     assert tile(3, (7,), 2) == 3  # no tiling count near: as the bytes say
+    # Balance looks only within BALANCE_RATIO of the bytes' count: 200 blocks (5 partitions, 3 and 2), not 500
+    # (2 partitions, one per rank, each 2.5x the bytes asked for).
+    assert rechunk_module.BALANCE_RATIO == 1.25
+    assert tile(250, (50, 20), 2) == 200
+    assert tile(250, (100, 100), 4) == 200
 
 
 def test_space_to_time_partitions_are_even_over_two_workers(monkeypatch: pytest.MonkeyPatch) -> None:

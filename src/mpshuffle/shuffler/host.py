@@ -109,8 +109,10 @@ RELEASE_MIN_BYTES = 2**20
 #: trip, and the workers used more CPU (``benchmarks/results/README.md``).
 #: What is in flight stays within the insert's own pieces, which exist anyway.
 IN_FLIGHT = 2
-#: Chunks in flight to one destination at most while the rank's chunks in
-#: flight to all destinations hold under :data:`IN_FLIGHT_BYTES` of data:
+#: Chunks in flight to one destination at most while the insert's chunks in
+#: flight to all destinations (with those earlier inserts left copied in
+#: flight; inserts on other threads count their own) hold under
+#: :data:`IN_FLIGHT_BYTES` of data:
 #: past :data:`IN_FLIGHT`, a sender waits for the oldest chunk only where the
 #: bytes say so. Why (session 26): at 2 ranks on the 2-core VM the task thread
 #: of a rechunk's insert waited 0.13-0.15 of its 0.40-0.46 s for
