@@ -362,6 +362,37 @@ def test_large_chunks_go_as_they_are_made_this_ranks_own_through_its_progress_th
         _close(shufflers, comms, thaw)
 
 
+def test_held_chunks_sent_together_count_their_bytes_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message of held chunks carries their bytes (``SendFuture.nbytes``), so the bound on the bytes in
+    flight (``IN_FLIGHT_BYTES``) counts it; rows arrive exactly once."""
+    monkeypatch.setattr(host, "HELD_MEDIUM_BYTES", 2**20)
+    seen: list[tuple[int, int]] = []
+    send_chunks = host.Shuffler._send_chunks
+
+    def recorded(self: Shuffler, dest: int, held: Any) -> Any:
+        nbytes = held.nbytes
+        fut = send_chunks(self, dest, held)
+        seen.append((nbytes, fut.nbytes))
+        return fut
+
+    monkeypatch.setattr(host.Shuffler, "_send_chunks", recorded)
+    shufflers, comms, _, thaw = _counting_ranks(2)
+    try:
+        adapter = PandasAdapter()
+        rows_each = 2 * host.SMALL_CHUNK_BYTES // 16 * 2  # 128 KiB per rank and insert: medium chunks
+        frame = pd.DataFrame({"k": range(12 * rows_each), "v": range(12 * rows_each)})
+        for i in range(12):
+            shufflers[0].insert(i, adapter.split(frame.iloc[i * rows_each : (i + 1) * rows_each], ["k"], 4))
+        shufflers[0].barrier(4)
+        rows = []
+        for j in range(4):
+            rows.extend(adapter.unpack(shufflers[j % 2].extract(j), frame.iloc[:0])["v"].tolist())
+        assert sorted(rows) == list(range(12 * rows_each))
+        assert len(seen) >= 2 and all(sent == held > 0 for held, sent in seen)
+    finally:
+        _close(shufflers, comms, thaw)
+
+
 def test_medium_chunks_are_held_apart_and_go_once_the_next_would_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks between SMALL_CHUNK_BYTES and MEDIUM_CHUNK_BYTES are copied into one buffer per destination,
     which goes as one message when the next chunk would not fit in it; rows arrive exactly once, in order."""

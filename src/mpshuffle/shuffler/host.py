@@ -123,8 +123,8 @@ IN_FLIGHT = 2
 #: MB are past the bound already), so what one rank can leave in ``/dev/shm``
 #: before its receivers take it does not grow with the ranks.
 IN_FLIGHT_MOST = 4
-#: Bytes of data in the chunks one rank (one insert, and what earlier inserts
-#: left copied in flight) may have in flight to all destinations before a
+#: Bytes of data in the chunks an insert (with what earlier inserts left
+#: copied in flight) may have in flight to all destinations before a
 #: destination's sends beyond :data:`IN_FLIGHT` wait.
 IN_FLIGHT_BYTES = 32 * 2**20
 #: A chunk for another rank whose pieces' data are at most this many bytes
@@ -280,7 +280,8 @@ class Shuffler(Run):
 
         Back-pressure: at most :data:`IN_FLIGHT` chunks (about ``batch_bytes``
         each) per destination rank are in flight, up to :data:`IN_FLIGHT_MOST`
-        while the rank's chunks in flight hold under :data:`IN_FLIGHT_BYTES`;
+        while the chunks this insert (and earlier ones, copied) has in flight
+        hold under :data:`IN_FLIGHT_BYTES`;
         before sending the next chunk to a rank past that this waits, in the
         calling (task) thread, until the oldest of them was handed to the
         transport. Receivers keep their memory bounded by
@@ -373,7 +374,8 @@ class Shuffler(Run):
 
         Fewer than :data:`IN_FLIGHT` chunks to ``dest`` in flight always
         allow it; fewer than :data:`IN_FLIGHT_MOST` allow it while the chunks
-        in flight to every rank, this one included, hold at most
+        in flight to every rank (this insert's, and those earlier inserts
+        left copied in flight), this one included, hold at most
         :data:`IN_FLIGHT_BYTES` of data.
 
         Returns the seconds it waited for that.
@@ -534,6 +536,7 @@ class Shuffler(Run):
         fut = self.comm.send_nowait(dest, (TAG, self.op_id, "chunks"), [packb(held.counts), *held.frames])
         # The bytes are the transport's now (as a copied message's are).
         fut.copied = True
+        fut.nbytes = held.nbytes
         held.release()
         return fut
 
