@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 26's device runs, for the next session lent a machine (none was lent in session 26): the 16-core host
-# of the GPU machine; dask/distributed and the packages its image lacks carried as wheels in .whl; mpshuffle from
+# Session 26's device runs (lent from ~22:10 of that session; lineitem at 16 workers was not reached): the 16-core
+# host of the GPU machine; dask/distributed and the packages its image lacks carried as wheels in .whl; mpshuffle from
 # src/. STEP is
 #   fill     fill numba's cache once (every device call starts with an empty one)
 #   rech16ab issue 26 at 16 workers x 1 thread, time-to-space of float32 (1600, 1000, 1000) (6.4 GB): session 25's
