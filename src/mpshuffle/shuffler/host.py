@@ -117,8 +117,8 @@ IN_FLIGHT = 2
 #: bytes say so. Why (session 26): at 2 ranks on the 2-core VM the task thread
 #: of a rechunk's insert waited 0.13-0.15 of its 0.40-0.46 s for
 #: acknowledgements (the round trip through both ranks' progress threads, each
-#: waiting for its process's GIL); with 4 it waited 0.06-0.08 and the rechunk
-#: took 1.31-1.34 s against 1.38-1.44 (medians of 5, alternated). On many
+#: waiting for its process's GIL); with this bound it waited 0.06-0.08 and the
+#: rechunk took 1.36-1.37 s against 1.46-1.52 (medians of 5, alternated). On many
 #: ranks the bytes keep it at :data:`IN_FLIGHT` (16 ranks x 2 chunks of a few
 #: MB are past the bound already), so what one rank can leave in ``/dev/shm``
 #: before its receivers take it does not grow with the ranks.
