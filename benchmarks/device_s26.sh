@@ -11,10 +11,7 @@
 #   gpu      the GPU tests and the engine's ndarray/memory tests -> $OUT/gpu_tests.txt
 # Results go to $OUT (the run tool's output folder). Run from the repository root.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH" PYTHONPATH="$PWD/src:/tmp/site" NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp/out}
-quiet() { grep -v "^distributed\|Warning\|warn\|^20[0-9][0-9]-" ; }
+source benchmarks/device_env.sh
 for step in "$@"; do
   echo "=== $step $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
   case $step in
