@@ -200,3 +200,65 @@ def test_corrupt_last_offset_is_refused() -> None:
     data[at : at + width] = (2**30).to_bytes(width, "little")
     with pytest.raises(ShuffleError, match="truncated or corrupt"):
         read_piece(PackedData(piece.metadata, pa.py_buffer(bytes(data)), piece.nrows))
+
+
+def _chunked(values: list[Any], t: pa.DataType, cuts: list[int]) -> pa.ChunkedArray:
+    # Chunks cut at ``cuts``, every other one a slice of a longer array (a non-zero offset).
+    bounds = [0, *cuts, len(values)]
+    chunks = []
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        if i % 2:
+            chunks.append(pa.array(["pad", *values[a:b]] if pa.types.is_string(t) or pa.types.is_large_string(t)
+                                   else [values[a], *values[a:b]] if b > a else [], type=t).slice(1 if b > a else 0))
+        else:
+            chunks.append(pa.array(values[a:b], type=t))
+    return pa.chunked_array(chunks, type=t)
+
+
+def _chunked_table(n: int) -> pa.Table:
+    # Columns in chunks as a parquet reader gives them, an empty chunk among them, nulls in some.
+    cuts = [0, n // 5, n // 5, n // 2, n - 3]
+    strings = [f"s{i}" * (i % 4) if i % 9 else None for i in range(n)]
+    return pa.table({
+        "key": _chunked(list(RNG.integers(-50, 50, n)), pa.int64(), cuts),
+        "s": _chunked(strings, pa.string(), cuts),
+        "ls": _chunked(strings, pa.large_string(), cuts),
+        "bin": _chunked([s.encode() if s is not None else None for s in strings], pa.binary(), cuts),
+        "i32": _chunked([i if i % 5 else None for i in range(n)], pa.int32(), cuts),
+        "d": _chunked([i % 400 for i in range(n)], pa.date32(), cuts),
+        "f": _chunked(list(RNG.random(n)), pa.float64(), cuts),
+        "flag": _chunked([i % 3 == 0 for i in range(n)], pa.bool_(), cuts),
+    })
+
+
+@pytest.mark.parametrize("npartitions", [1, 7, 300])
+def test_chunked_arrow_columns_scatter_as_combined(npartitions: int) -> None:
+    # Columns in several chunks are scattered chunk by chunk (no combine_chunks
+    # first): the pieces hold exactly the rows of the combined columns.
+    table = _chunked_table(2000)
+    assert all(table.column(name).num_chunks == 6 for name in table.column_names)
+    combined = table.combine_chunks()
+    adapter = ArrowAdapter()
+    ids = adapter.partition_ids(table, ["key"], npartitions)
+    np.testing.assert_array_equal(ids, adapter.partition_ids(combined, ["key"], npartitions))
+    pieces = adapter.split(table, ["key"], npartitions)
+    assert sorted(pieces) == sorted(set(ids.tolist()))
+    for pid, piece in pieces.items():
+        got, _, _ = read_piece(piece)
+        assert got.equals(combined.filter(pa.array(ids == pid)))
+
+
+def test_chunked_pandas_string_columns_scatter_as_combined() -> None:
+    # pandas frames from parquet hold their str columns as Arrow arrays in chunks.
+    table = _chunked_table(1500).drop_columns(["bin", "flag", "ls"])
+    frame = table.to_pandas()
+    assert frame["s"].array._pa_array.num_chunks > 1
+    flat = table.combine_chunks().to_pandas()
+    adapter = PandasAdapter()
+    ids = adapter.partition_ids(frame, ["key"], 11)
+    np.testing.assert_array_equal(ids, adapter.partition_ids(flat, ["key"], 11))
+    pieces = adapter.split(frame, ["key", "s"], 11)
+    keys = adapter.partition_ids(frame, ["key", "s"], 11)
+    for pid, piece in pieces.items():
+        pd.testing.assert_frame_equal(adapter.unpack([piece], frame.iloc[:0]),
+                                      flat[keys == pid].reset_index(drop=True))

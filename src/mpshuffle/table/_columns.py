@@ -120,6 +120,13 @@ class Column:
         How the fused hash reads the column: ``"int"`` (``values`` integers,
         times ``factor`` ns per unit), ``"float"`` (``values`` float64),
         or ``""`` (hashed by the documented slower path from ``source``).
+    chunks, chunk_starts
+        For an Arrow column in several chunks (``"fixed"`` or ``"var"``):
+        one :class:`Column` per chunk, each over that chunk's own buffers,
+        and the row at which each chunk starts, shape ``(len(chunks) + 1,)``
+        (the last entry is the row count); ``values`` and ``offsets`` are
+        then ``None``, and ``validity`` covers all rows from bit 0. ``None``
+        for a column in one buffer.
     """
 
     kind: str
@@ -136,11 +143,17 @@ class Column:
     factor: int = 1
     source: Any = None
     typed: Any = None
+    chunks: list[Column] | None = None
+    chunk_starts: Any = None
 
 
 def _arrow_column(array: pa.Array | pa.ChunkedArray, field: int) -> Column:
-    """Point a :class:`Column` at an Arrow array's buffers (zero copy)."""
+    """Point a :class:`Column` at an Arrow array's buffers (zero copy), chunk by chunk where it has several."""
     if isinstance(array, pa.ChunkedArray):
+        if array.num_chunks > 1:
+            chunked = _chunked_column(array, field)
+            if chunked is not None:
+                return chunked
         array = array.chunk(0) if array.num_chunks == 1 else array.combine_chunks()
     t = array.type
     n, off = len(array), array.offset
@@ -178,6 +191,37 @@ def _arrow_column(array: pa.Array | pa.ChunkedArray, field: int) -> Column:
         col.values = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
         return col
     return col
+
+
+def _chunked_column(array: pa.ChunkedArray, field: int) -> Column | None:
+    """A :class:`Column` over the chunks of a fixed-width or string/binary ``array`` in place; ``None`` for other types.
+
+    Such a column's chunks are scattered one after the other (:func:`pack`),
+    so no copy of the whole column is made first. Parquet readers give every
+    column in chunks (one per row group): ``combine_chunks`` copied each string
+    column of TPC-H lineitem, 10-15 % of a 2-worker shuffle's time on the
+    2-core development machine (``benchmarks/results/README.md``, session 27).
+    Booleans and other types are combined (bitmaps are small; the others
+    travel as Arrow IPC). Only the validity bitmap is built anew, ``n / 8``
+    bytes, from bit 0. Such a column is hashed from ``source``, the
+    documented slower path: it has no ``typed`` values in one buffer.
+    """
+    chunks = [_arrow_column(chunk, field) for chunk in array.chunks]
+    kind = chunks[0].kind
+    if kind not in ("fixed", "var"):
+        return None
+    starts = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum([len(chunk) for chunk in array.chunks], out=starts[1:])
+    validity = None
+    if array.null_count:
+        valid = [
+            np.ones(len(chunk), np.uint8) if col.validity is None
+            else np.unpackbits(col.validity, bitorder="little", count=col.offset + len(chunk))[col.offset :]
+            for col, chunk in zip(chunks, array.chunks, strict=True)
+        ]
+        validity = np.packbits(np.concatenate(valid), bitorder="little")
+    return Column(kind, field, validity=validity, width=chunks[0].width, array=array, source=array,
+                  chunks=chunks, chunk_starts=starts)
 
 
 def _temporal_factor(t: pa.DataType) -> int | None:
@@ -531,7 +575,10 @@ def pack(
             plan.append((j, "data", (counts + 7) >> 3))
         else:
             plan.append((j, "offsets", (counts + 1) * col.width))
-            var_sizes[j] = k.var_sizes(col.offsets, pid, ncompact)
+            var_sizes[j] = sum(
+                (k.var_sizes(part.offsets, pid[a:b], ncompact) for part, a, b in _chunks_of(col, len(pid))),
+                np.zeros(ncompact, np.int64),
+            )
             plan.append((j, "data", var_sizes[j]))
             slack[len(plan) - 1] = _WORD
     blobs: dict[str, list[Any]] = {}
@@ -589,13 +636,16 @@ def pack(
             k.scatter_bits(col.validity, col.offset, False, pid, split.rank, at[b], counts, buf)
         elif role == "data" and col.kind == "fixed":
             out = buf.view(_UINT[col.width])
-            k.scatter(col.values, pid, split.rank, at[b] // col.width, out)
+            for part, lo, hi in _chunks_of(col, len(pid)):
+                k.scatter(part.values, pid[lo:hi], split.rank[lo:hi], at[b] // col.width, out)
         elif role == "data" and col.kind == "bits":
             k.scatter_bits(col.values, col.offset, col.from_bytes, pid, split.rank, at[b], counts, buf)
         elif role == "offsets":
             out_off = buf.view(np.int64 if col.width == 8 else np.int32)
-            k.scatter_var(col.offsets, col.values, pid, split.rank, counts,
-                          at[b] // col.width, at[b + 1], out_off, buf)
+            cursor = np.zeros(ncompact, np.uint64)  # carried from chunk to chunk
+            for part, lo, hi in _chunks_of(col, len(pid)):
+                k.scatter_var(part.offsets, part.values, pid[lo:hi], split.rank[lo:hi], counts,
+                              at[b] // col.width, at[b + 1], out_off, buf, cursor)
     for b, (j, role, sizes) in enumerate(plan):
         if role == "ipc":
             for p in range(ncompact):
@@ -616,6 +666,14 @@ def pack(
         group.astype(np.int32), bases.astype(np.int64), piece_size.astype(np.int64),
         list(group_buffers),
     ))
+
+
+def _chunks_of(col: Column, nrows: int) -> list[tuple[Column, int, int]]:
+    """``(column, first row, end row)`` of each buffer of ``col``: its chunks, or itself over all ``nrows``."""
+    if col.chunks is None:
+        return [(col, 0, nrows)]
+    starts = col.chunk_starts
+    return [(part, int(starts[i]), int(starts[i + 1])) for i, part in enumerate(col.chunks)]
 
 
 #: At most this many groups hold the pieces a rank keeps (see :func:`owner_groups`).

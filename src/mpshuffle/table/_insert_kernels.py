@@ -214,10 +214,13 @@ def _store8(typingctx: Any, address: Any, value: Any) -> Any:
 
 
 @numba.njit(nogil=True, cache=True)
-def scatter_var(offsets, data, pid, rank, counts, off_base, data_base, out_off, out):  # type: ignore[no-untyped-def]
+def scatter_var(offsets, data, pid, rank, counts, off_base, data_base, out_off, out, cursor):  # type: ignore[no-untyped-def]
     # Strings/binary: each piece gets offsets from 0 (in ``out_off``, whose
     # unit is its offset type, from off_base[p]) and its bytes (from byte
     # data_base[p]); rows come in order, so a cursor per piece places them.
+    # ``cursor`` (uint64, one per piece) is where each piece's bytes go on:
+    # zeros for a column in one chunk; for an Arrow column in chunks the
+    # same array across the calls, one per chunk with its rows' pid and rank.
     # A string is copied in whole words (unaligned 8-byte loads and stores
     # through its address), which may write up to 7 bytes past its end: the
     # next string of the piece overwrites them, and every piece's data has 8
@@ -226,7 +229,6 @@ def scatter_var(offsets, data, pid, rank, counts, off_base, data_base, out_off, 
     # through a strided uint64 view of the bytes: 5-12 % less thread CPU for
     # strings of 1-27 bytes (1.5 M rows into 16 partitions; session 18).
     npart = off_base.shape[0]
-    cursor = np.zeros(npart, np.uint64)
     eight = np.uint64(8)
     src0 = np.uint64(data.ctypes.data)
     dst0 = np.uint64(out.ctypes.data)
