@@ -1260,3 +1260,60 @@ def test_kept_index_levels_of_every_kind_come_back(index: pd.Index) -> None:
     ids = partition_ids(frame[["key"]], 4)
     expected = pd.concat([frame[ids == pid] for pid in sorted(pieces)])
     pd.testing.assert_frame_equal(got, expected, check_exact=True, check_index_type=True)
+
+
+def _arrow_dtype_frame(n: int, seed: int) -> pd.DataFrame:
+    # The dtypes dask.dataframe.read_parquet gives a Dask user: decimals, dates
+    # and nullable ints as pandas.ArrowDtype; lists and zoned timestamps too.
+    import decimal
+
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame({
+        "k": rng.integers(0, 20, n),
+        "d": pd.array([decimal.Decimal(int(v)) / 4 if v % 7 else None for v in rng.integers(0, 10**6, n)],
+                      dtype=pd.ArrowDtype(pa.decimal128(15, 2))),
+        "d256": pd.array([decimal.Decimal(i) for i in range(n)], dtype=pd.ArrowDtype(pa.decimal256(40, 0))),
+        "day": pd.array([datetime.date(2020, 1, 1) + datetime.timedelta(days=i % 400) for i in range(n)],
+                        dtype=pd.ArrowDtype(pa.date32())),
+        "ni": pd.array([i if i % 3 else None for i in range(n)], dtype="int64[pyarrow]"),
+        "lst": pd.array([[i, i] for i in range(n)], dtype=pd.ArrowDtype(pa.list_(pa.int64()))),
+        "ts": pd.array(list(range(n)), dtype=pd.ArrowDtype(pa.timestamp("us", tz="Europe/Paris"))),
+        "s": pd.array([f"s{i}" for i in range(n)], dtype="str"),
+    })
+
+
+@pytest.mark.parametrize("index", [False, True])
+@pytest.mark.parametrize("layout", ["mixed", "arrow-only", "int-labels"])
+def test_arrow_dtype_columns_come_back_exact(index: bool, layout: str) -> None:
+    # Columns the meta wants as pandas.ArrowDtype come back as that dtype from
+    # their own Arrow buffers (decimals were Python objects cast back before).
+    frames = [_arrow_dtype_frame(n, seed) for seed, n in enumerate([60, 0, 45])]
+    if layout == "arrow-only":
+        frames = [f[["d", "day"]].assign(k=pd.array(f["k"], dtype="int64[pyarrow]")) for f in frames]
+    if layout == "int-labels":
+        frames = [f.rename(columns={"d": 7, "day": 8}) for f in frames]
+    if index:
+        frames = [f.set_axis(pd.Index(np.arange(len(f)) * 3 + 1000 * i, name="ix")) for i, f in enumerate(frames)]
+    adapter = PandasAdapter(index=index)
+    meta = frames[0].iloc[:0]
+    outputs = shuffle(adapter, frames, ["k"], 5, meta)
+    for pid, out in outputs.items():
+        parts = [f[_ids(adapter, f, 5) == pid] for f in frames]
+        expected = pd.concat(parts) if index else pd.concat(parts, ignore_index=True)
+        pd.testing.assert_frame_equal(out, expected)
+        assert_same_dtypes(out, meta)
+
+
+def test_arrow_dtype_columns_need_no_cast(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing is converted to Python objects and cast back: reconcile finds
+    # every column in the meta's dtype already.
+    from mpshuffle.table import _reconcile
+
+    def no_cast(column: pd.Series, dtype: Any) -> pd.Series:
+        raise AssertionError(f"column {column.name!r} was cast from {column.dtype} to {dtype}")
+
+    monkeypatch.setattr(_reconcile, "cast_lossless", no_cast)
+    frame = _arrow_dtype_frame(80, 3)
+    adapter = PandasAdapter()
+    outputs = shuffle(adapter, [frame], ["k"], 3, frame.iloc[:0])
+    assert sum(len(out) for out in outputs.values()) == 80
