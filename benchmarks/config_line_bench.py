@@ -22,7 +22,11 @@ Data (``--data synthetic``, the default): ``--partitions`` partitions of
 float64, ``s`` a ``str`` column of unique 12-character values (60 x 800,000
 rows are 2.11 GB). ``--data lineitem``: TPC-H ``lineitem`` of ``--sf``
 (``tpchgen-cli``, the ``demo`` extra), one partition per parquet part,
-shuffled on ``l_orderkey``.
+shuffled on ``l_orderkey``, read by ``mpshuffle.demo.tpch.load_parquet``
+(decimals as ``float64``, dates as ``datetime64[ms]``, strings as ``str``);
+``--data lineitem-dask``: the same files as ``dask.dataframe.read_parquet``
+gives them to a Dask user (``decimal128(15, 2)[pyarrow]``,
+``date32[day][pyarrow]``, ``str`` over Arrow large strings).
 
 ``--first`` adds a fresh cluster per method before the rounds: its first
 shuffle (no warm-up; mpshuffle bootstraps within it) and the next one, in
@@ -101,6 +105,15 @@ def lineitem(sf: float, parts: int, directory: Path) -> tuple[dd.DataFrame, str]
     path = Path(root, "lineitem")
     files = sorted(str(p) for p in path.glob("*.parquet")) if path.is_dir() else [str(Path(root, "lineitem.parquet"))]
     return dd.from_map(load_parquet, files), "l_orderkey"
+
+
+def lineitem_dask(sf: float, parts: int, directory: Path) -> tuple[dd.DataFrame, str]:
+    """lineitem as ``dask.dataframe.read_parquet`` gives it: decimals, ``date32[pyarrow]``, Arrow strings."""
+    from mpshuffle.demo.tpch import generate
+
+    root = generate(sf, directory, parts=parts, tables=("lineitem",))
+    path = Path(root, "lineitem")
+    return dd.read_parquet(str(path if path.is_dir() else Path(root, "lineitem.parquet"))), "l_orderkey"
 
 
 def shuffled(method: str, df: dd.DataFrame, on: str, npartitions: int) -> dd.DataFrame:
@@ -189,6 +202,8 @@ def _cluster(args: argparse.Namespace) -> tuple[LocalCluster, Client]:
 def _input(args: argparse.Namespace, tmp: str) -> tuple[dd.DataFrame, str]:
     if args.data == "lineitem":
         return lineitem(args.sf, args.parts, Path(tmp) / "lineitem")
+    if args.data == "lineitem-dask":
+        return lineitem_dask(args.sf, args.parts, Path(tmp) / "lineitem")
     return synthetic(args.partitions, args.rows)
 
 
@@ -212,7 +227,7 @@ def _pregrow(gib: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", choices=["synthetic", "lineitem"], default="synthetic")
+    parser.add_argument("--data", choices=["synthetic", "lineitem", "lineitem-dask"], default="synthetic")
     parser.add_argument("--partitions", type=int, default=60, help="input and output partitions (synthetic)")
     parser.add_argument("--rows", type=int, default=800_000, help="rows per partition (synthetic)")
     parser.add_argument("--sf", type=float, default=1.0, help="TPC-H scale factor (lineitem)")
