@@ -9,6 +9,7 @@ dtype.
 
 from __future__ import annotations
 
+import decimal
 import itertools
 from typing import Any
 
@@ -227,6 +228,10 @@ def _chunked_table(n: int) -> pa.Table:
         "i32": _chunked([i if i % 5 else None for i in range(n)], pa.int32(), cuts),
         "d": _chunked([i % 400 for i in range(n)], pa.date32(), cuts),
         "f": _chunked(list(RNG.random(n)), pa.float64(), cuts),
+        "dec": _chunked([decimal.Decimal(int(v)) / 100 if v % 11 else None for v in RNG.integers(-10**9, 10**9, n)],
+                        pa.decimal128(18, 2), cuts),
+        "dec256": _chunked([decimal.Decimal(int(v)) for v in RNG.integers(-10**9, 10**9, n)], pa.decimal256(50, 0),
+                           cuts),
         "flag": _chunked([i % 3 == 0 for i in range(n)], pa.bool_(), cuts),
     })
 

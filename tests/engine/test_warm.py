@@ -12,6 +12,7 @@ _SCRIPT = textwrap.dedent(
     """
     import numpy as np
     import pandas as pd
+    import pyarrow as pa
 
     from mpshuffle.memory.pool import HostPool
     from mpshuffle.table import PandasAdapter
@@ -42,6 +43,7 @@ _SCRIPT = textwrap.dedent(
         "s": pd.Series([f"w{v:010d}" for v in rng.integers(0, 1000, n)], dtype="str"),
         "n": pd.array([None if v % 7 == 0 else int(v) for v in range(n)], dtype="Int64"),
         "t": pd.to_datetime(rng.integers(0, 10**9, n), unit="s"),
+        "dec": pd.Series(pd.arrays.ArrowExtensionArray(pa.array(rng.integers(0, 10**6, n).astype(np.int32)).cast(pa.decimal128(15, 2)))),
     })
     adapter = PandasAdapter()
     for npartitions in (2, 60, 256, 257, 1000):

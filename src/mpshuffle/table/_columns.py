@@ -6,7 +6,7 @@ The insert of a frame with ``n`` rows into ``P`` partitions is:
    becomes a :class:`Column` that points at the frame's own memory — numpy
    values of numeric columns as they are (no NaN scan), the Arrow buffers of
    Arrow-backed ones (``str``, nullable, tz-aware, ...). A column whose type
-   has no raw layout here (dictionary, nested, decimal, ...) stays an Arrow
+   has no raw layout here (dictionary, nested, ...) stays an Arrow
    array and travels as an Arrow IPC stream; an ``object`` column Arrow
    cannot hold losslessly travels pickled. Each column falls back alone.
 2. **hash** (:func:`hash_ids`): one pass per key column computes the
@@ -107,7 +107,8 @@ class Column:
     Attributes
     ----------
     kind
-        ``"fixed"`` (``values``: one element of ``width`` bytes per row),
+        ``"fixed"`` (``values``: one element of ``width`` bytes per row;
+        for 16- and 32-byte decimals ``width / 8`` ``uint64`` words per row),
         ``"bits"`` (booleans: ``values`` one byte per row when
         ``from_bytes``, else an Arrow bitmap starting at bit ``offset``),
         ``"var"`` (strings/binary: ``offsets`` of shape ``(n + 1,)`` into the
@@ -182,6 +183,14 @@ def _arrow_column(array: pa.Array | pa.ChunkedArray, field: int) -> Column:
             if factor is not None:
                 col.hashable, col.factor = "int", factor
                 col.typed = col.values.view({4: np.int32, 8: np.int64}[width])
+        return col
+    if (pa.types.is_decimal128(t) or pa.types.is_decimal256(t)) and t.bit_width % 64 == 0:
+        # Words of 8 bytes per value (scatter_words); hashed from ``source``.
+        width = t.bit_width // 8
+        words = width // 8
+        col.kind, col.width = "fixed", width
+        col.values = np.frombuffer(bufs[1], dtype=np.uint64)[off * words : (off + n) * words] if n else np.empty(
+            0, np.uint64)
         return col
     if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
         large = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
@@ -634,6 +643,10 @@ def pack(
         col = columns[j]
         if role == "validity":
             k.scatter_bits(col.validity, col.offset, False, pid, split.rank, at[b], counts, buf)
+        elif role == "data" and col.kind == "fixed" and col.width > 8:
+            out = buf.view(np.uint64)
+            for part, lo, hi in _chunks_of(col, len(pid)):
+                k.scatter_words(part.values, col.width // 8, pid[lo:hi], split.rank[lo:hi], at[b] // 8, out)
         elif role == "data" and col.kind == "fixed":
             out = buf.view(_UINT[col.width])
             for part, lo, hi in _chunks_of(col, len(pid)):

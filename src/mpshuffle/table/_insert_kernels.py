@@ -34,7 +34,7 @@ from mpshuffle.table._kernels import (
 
 __all__ = [
     "hash_float_bits", "hash_given", "hash_ints", "pandas_given", "pandas_values", "rank_ids", "scatter",
-    "scatter_bits", "scatter_var", "var_sizes",
+    "scatter_bits", "scatter_var", "scatter_words", "var_sizes",
 ]
 
 # Compile-time constants of the kernels (numba freezes numpy scalar globals).
@@ -162,6 +162,19 @@ def scatter(src, pid, rank, base, out):  # type: ignore[no-untyped-def]
     # Fixed-width values: row i goes to out[base[pid[i]] + rank[i]].
     for i in range(src.shape[0]):
         out[np.uint64(base[pid[i]]) + np.uint64(rank[i])] = src[i]
+
+
+@numba.njit(nogil=True, cache=True)
+def scatter_words(src, words, pid, rank, base, out):  # type: ignore[no-untyped-def]
+    # Fixed-width values of ``words`` 8-byte words each (128- and 256-bit
+    # decimals): row i's words go to out from word base[pid[i]] + rank[i] *
+    # words (a piece's buffer starts at any multiple of 8 bytes).
+    w = np.uint64(words)
+    for i in range(pid.shape[0]):
+        d = np.uint64(base[pid[i]]) + np.uint64(rank[i]) * w
+        s = np.uint64(i) * w
+        for k in range(words):
+            out[d + np.uint64(k)] = src[s + np.uint64(k)]
 
 
 @numba.njit(nogil=True, cache=True)

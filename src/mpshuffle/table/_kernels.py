@@ -67,6 +67,6 @@ def kernels() -> Any:
         hash_ints=k.hash_ints, hash_float_bits=k.hash_float_bits, hash_given=k.hash_given,
         pandas_values=k.pandas_values, pandas_given=k.pandas_given,
         rank_ids=k.rank_ids, scatter=k.scatter, scatter_bits=k.scatter_bits, var_sizes=k.var_sizes,
-        scatter_var=k.scatter_var, gather_bytes=gather_bytes, gather_bits=gather_bits,
+        scatter_var=k.scatter_var, scatter_words=k.scatter_words, gather_bytes=gather_bytes, gather_bits=gather_bits,
         gather_offsets=gather_offsets, layouts=layouts,
     )

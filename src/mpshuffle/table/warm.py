@@ -107,6 +107,7 @@ def warm_up() -> float:
         _wait_while_paused()
         import numpy as np
         import pandas as pd
+        import pyarrow as pa
 
         from mpshuffle.table import _columns
         from mpshuffle.table.hashing import PandasRowHash
@@ -122,6 +123,8 @@ def warm_up() -> float:
             "s": pd.Series([f"v{i}" for i in rows], dtype="str"),
             "n": pd.array([None if i == 0 else i for i in rows], dtype="Int64"),
             "t": pd.to_datetime(rows, unit="s"),
+            # What dask.dataframe.read_parquet gives for decimals (e.g. TPC-H's prices).
+            "dec": pd.Series(pd.arrays.ArrowExtensionArray(pa.array(rows.astype(np.int32)).cast(pa.decimal128(15, 2)))),
         })
         adapter = PandasAdapter()
         # Small steps, most common first, each loading one or two signatures
@@ -142,6 +145,7 @@ def warm_up() -> float:
             (["i64", "b"], ["i64"], ""),
             (["i64", "n"], ["i64"], ""),
             (["t"], ["t"], ""),
+            (["i64", "dec"], ["i64"], ""),
             (["i64"], ["i64"], "ids"),
         ]
         _columns.WARMING.on = True
