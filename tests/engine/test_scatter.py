@@ -267,3 +267,44 @@ def test_chunked_pandas_string_columns_scatter_as_combined() -> None:
     for pid, piece in pieces.items():
         pd.testing.assert_frame_equal(adapter.unpack([piece], frame.iloc[:0]),
                                       flat[keys == pid].reset_index(drop=True))
+
+
+def test_chunked_strings_past_32_bit_offsets_are_refused_by_name() -> None:
+    # Two chunks of 1.1 GiB of binary values each: every chunk fits its own
+    # 32-bit offsets, one piece of both would not. The insert says so (it
+    # wrapped the offsets silently before the check). The values are
+    # untouched zero pages, so the test costs little memory.
+    rows, size = 1100, 2**20
+    data = pa.py_buffer(np.zeros(rows * size, np.uint8))
+    offsets = pa.py_buffer((np.arange(rows + 1, dtype=np.int64) * size).astype(np.int32))
+    chunk = pa.Array.from_buffers(pa.binary(), rows, [None, offsets, data])
+    table = pa.table({"k": np.zeros(2 * rows, np.int64), "blob": pa.chunked_array([chunk, chunk])})
+    with pytest.raises(ValueError, match="column 'blob'.*32-bit offsets"):
+        ArrowAdapter().split(table, ["k"], 1)
+    # Into enough partitions, every piece fits.
+    ids = np.arange(2 * rows) % 4
+    pieces = ArrowAdapter().split(table.slice(rows - 40, 80), ["k"], 4, ids=ids[:80])
+    assert sum(p.nrows for p in pieces.values()) == 80
+
+
+def test_chunked_number_keys_hash_as_combined() -> None:
+    # Key columns of numbers, dates and times in chunks are joined for the
+    # fused hash (only keys pay that copy): the same ids as combined.
+    table = _chunked_table(3000)
+    for keys in (["key"], ["d"], ["f"], ["i32", "d"], ["s", "key"]):
+        np.testing.assert_array_equal(
+            ArrowAdapter().partition_ids(table, keys, 13), ArrowAdapter().partition_ids(table.combine_chunks(), keys, 13)
+        )
+
+
+def test_many_small_chunks_are_combined_first() -> None:
+    from mpshuffle.table._columns import CHUNK_MIN_ROWS, CHUNKS_ALWAYS, _arrow_column
+
+    small = pa.chunked_array([pa.array([f"v{i}"]) for i in range(CHUNKS_ALWAYS + 1)])
+    assert _arrow_column(small, 0).chunks is None
+    big = pa.chunked_array([pa.array(["v"] * CHUNK_MIN_ROWS)] * (CHUNKS_ALWAYS + 1))
+    assert _arrow_column(big, 0).chunks is not None
+    table = pa.table({"k": np.arange(CHUNKS_ALWAYS + 1), "s": small})
+    pieces = ArrowAdapter().split(table, ["k"], 3)
+    got = pa.concat_tables([read_piece(pieces[p])[0] for p in sorted(pieces)])
+    assert sorted(got.column("s").to_pylist()) == sorted(small.to_pylist())

@@ -202,6 +202,24 @@ def _arrow_column(array: pa.Array | pa.ChunkedArray, field: int) -> Column:
     return col
 
 
+#: An Arrow column in at most this many chunks is read chunk by chunk whatever their size (:func:`_chunked_column`).
+CHUNKS_ALWAYS = 16
+#: Beyond :data:`CHUNKS_ALWAYS` chunks, they are read one by one only where they average this many rows.
+CHUNK_MIN_ROWS = 8192
+
+
+def _joined(col: Column) -> Column:
+    """A column in chunks of numbers, dates or times as one buffer (for :func:`hash_ids`'s fused passes)."""
+    assert col.chunks is not None
+    first = col.chunks[0]
+    values = np.concatenate([c.values for c in col.chunks])
+    joined = Column(col.kind, col.field, values=values, validity=col.validity, width=col.width,
+                    hashable=first.hashable, factor=first.factor, source=col.source)
+    if first.typed is not None:
+        joined.typed = values.view(first.typed.dtype)
+    return joined
+
+
 def _chunked_column(array: pa.ChunkedArray, field: int) -> Column | None:
     """A :class:`Column` over the chunks of a fixed-width or string/binary ``array`` in place; ``None`` for other types.
 
@@ -211,10 +229,17 @@ def _chunked_column(array: pa.ChunkedArray, field: int) -> Column | None:
     column of TPC-H lineitem, 10-15 % of a 2-worker shuffle's time on the
     2-core development machine (``benchmarks/results/README.md``, session 27).
     Booleans and other types are combined (bitmaps are small; the others
-    travel as Arrow IPC). Only the validity bitmap is built anew, ``n / 8``
-    bytes, from bit 0. Such a column is hashed from ``source``, the
-    documented slower path: it has no ``typed`` values in one buffer.
+    travel as Arrow IPC), and so is a column of many small chunks (more than
+    :data:`CHUNKS_ALWAYS` of under :data:`CHUNK_MIN_ROWS` rows on average,
+    e.g. from record batches of a stream): each chunk costs a few calls per
+    column, and 100,000 chunks of one row took 6.6 s to insert against
+    0.65 s combined. Only the validity bitmap is built anew, ``n / 8``
+    bytes, from bit 0. Such a column is hashed by :func:`hash_ids` from its
+    chunks' values joined (numbers, dates and times: only key columns pay
+    that copy) or from ``source`` (strings, the documented slower path).
     """
+    if array.num_chunks > CHUNKS_ALWAYS and len(array) < array.num_chunks * CHUNK_MIN_ROWS:
+        return None
     chunks = [_arrow_column(chunk, field) for chunk in array.chunks]
     kind = chunks[0].kind
     if kind not in ("fixed", "var"):
@@ -430,6 +455,8 @@ def hash_ids(
     npart = np.uint64(npartitions)
     last = len(keys) - 1
     for j, col in enumerate(keys):
+        if col.chunks is not None and col.chunks[0].hashable:
+            col = _joined(col)
         mode = (FIRST_FINAL if j == 0 else COMBINE_FINAL) if j == last else (FIRST if j == 0 else COMBINE)
         null = _null_bytes(col, nrows)
         typed = col.typed
@@ -588,6 +615,14 @@ def pack(
                 (k.var_sizes(part.offsets, pid[a:b], ncompact) for part, a, b in _chunks_of(col, len(pid))),
                 np.zeros(ncompact, np.int64),
             )
+            if col.width == 4 and col.chunks is not None and ncompact and int(var_sizes[j].max()) >= 2**31:
+                # One chunk's pieces fit its own 32-bit offsets; several chunks' need not.
+                name = schema.field(col.field).name if schema is not None else col.field
+                raise ValueError(
+                    f"column {name!r}: {int(var_sizes[j].max())} bytes of its values would go into one partition's "
+                    "piece of this input partition, more than 32-bit offsets reach (2**31 - 1); cast the column to "
+                    "large_string / large_binary, or shuffle into more output partitions"
+                )
             plan.append((j, "data", var_sizes[j]))
             slack[len(plan) - 1] = _WORD
     blobs: dict[str, list[Any]] = {}
