@@ -96,6 +96,46 @@ def test_shuffle(client: Client) -> None:
     _clean(client)
 
 
+def test_parquet_as_dask_reads_it(client: Client, tmp_path: Path) -> None:
+    """Decimals, dates and strings in row groups, read by dask.dataframe.read_parquet: the dtypes and rows of tasks.
+
+    The strings and decimals arrive as Arrow columns in several chunks (one
+    per row group) and leave as ArrowDtype / str columns of the meta's dtypes.
+    """
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(5)
+    for part in range(3):
+        n = 2500
+        table = pa.table({
+            "k": rng.integers(0, 300, n),
+            "price": pa.array([decimal.Decimal(int(v)) / 100 if v % 13 else None for v in rng.integers(0, 10**7, n)],
+                              pa.decimal128(15, 2)),
+            "day": pa.array([int(v) for v in rng.integers(0, 3000, n)], pa.int32()).cast(pa.date32()),
+            "note": pa.array([f"note {v} " * int(v % 5) for v in rng.integers(0, 10**6, n)], pa.string()),
+        })
+        pq.write_table(table, tmp_path / f"part{part}.parquet", row_group_size=700)
+    df = dd.read_parquet(str(tmp_path))
+    assert df.npartitions == 3
+    expected = df.shuffle("k", npartitions=4, shuffle_method="tasks").compute()
+    with dask.config.set(MP), _mpshuffle_ran(client) as ran:
+        parts = client.compute(df.shuffle("k", npartitions=4).to_delayed(), sync=True)
+    assert ran["mpshuffle-extract"] == 4
+    got = pd.concat(parts)
+    assert got.dtypes.to_dict() == expected.dtypes.to_dict()
+    assert isinstance(got["price"].dtype, pd.ArrowDtype)
+    _same_rows(got.astype({"price": object}), expected.astype({"price": object}))
+    owner = {key: j for j, p in enumerate(parts) for key in p["k"].unique()}
+    assert len(owner) == sum(p["k"].nunique() for p in parts)  # every key in one output partition
+    with dask.config.set(MP):
+        merged = df.merge(df[["k", "day"]].rename(columns={"day": "day2"}), on="k").compute()
+    assert len(merged) == len(expected.merge(expected[["k", "day"]].rename(columns={"day": "day2"}), on="k"))
+    _clean(client)
+
+
 @pytest.mark.parametrize("bad", [{"mpshuffle.timout": 5}, {"mpshuffle.timeout": -1}], ids=["typo", "value"])
 def test_bad_options_in_dask_config_are_refused_when_the_graph_is_built(client: Client, bad: dict[str, Any]) -> None:
     """Also once a generation exists, which the workers' bootstrap would not recheck."""
