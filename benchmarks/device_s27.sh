@@ -4,6 +4,8 @@
 #   fill   fill numba's cache once (every device call starts with an empty one)
 #   li16   issue 23's real data: TPC-H lineitem SF 1 (16 parquet parts) at 16 workers x 1 thread through the config
 #          line, a fresh cluster's first and second shuffle per method, then 3 rounds of the four methods in turns
+#   li16d  the same files as dask.dataframe.read_parquet gives them (decimals, date32[pyarrow]), fresh clusters first
+#   cfg16r the config line at 16 workers again, 2 rounds, no fresh clusters (a second run of the marks)
 #   cfg16  the config line at 16 workers x 1 thread, 0.7 GB per worker, 120 -> 120, fresh clusters first, 2 rounds
 #   cfg8   the same at 8 workers, 1 round, no fresh clusters
 #   cfg2   the same at 2 workers, 2 rounds
@@ -19,6 +21,11 @@ for step in "$@"; do
     fill) python3 -c "from mpshuffle.table.warm import warm_up; print('warm-up s', round(warm_up(), 2))" ;;
     li16) timeout -k 10 300 python3 benchmarks/config_line_bench.py --data lineitem --sf 1 --parts 16 --workers 16 \
             --memory-limit 6 --repeats 3 --first --out "$OUT/config_line-lineitem-h100-16w-s27.json" 2>&1 | quiet | tail -24 ;;
+    li16d) timeout -k 10 200 python3 benchmarks/config_line_bench.py --data lineitem-dask --sf 1 --parts 16 --workers 16 \
+             --memory-limit 6 --repeats 2 --first --out "$OUT/config_line-lineitem-dask-h100-16w-first-s27.json" 2>&1 \
+             | quiet | tail -18 ;;
+    cfg16r) timeout -k 10 200 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 --rows $ROWS16 \
+             --memory-limit 6 --repeats 2 --out "$OUT/config_line-h100-16w-s27-r2.json" 2>&1 | quiet | tail -12 ;;
     cfg16) timeout -k 10 560 python3 benchmarks/config_line_bench.py --workers 16 --partitions 120 --rows $ROWS16 \
              --memory-limit 6 --repeats 2 --first --out "$OUT/config_line-h100-16w-s27.json" 2>&1 | quiet | tail -24 ;;
     cfg8) timeout -k 10 300 python3 benchmarks/config_line_bench.py --workers 8 --partitions 120 --rows $(( ROWS16 / 2 )) \
