@@ -893,6 +893,17 @@ def _ids(adapter: PandasAdapter, frame: pd.DataFrame, npart: int) -> Any:
     return adapter.partition_ids(frame, ["k"], npart)
 
 
+def _outputs_as_selected(
+    adapter: PandasAdapter, frames: list[pd.DataFrame], outputs: dict[int, pd.DataFrame], npart: int, index: bool
+) -> list[pd.DataFrame]:
+    """Assert every output partition is its rows of the inputs, in input order (index kept or not); return them."""
+    for pid, out in outputs.items():
+        parts = [f[_ids(adapter, f, npart) == pid] for f in frames]
+        expected = pd.concat(parts) if index else pd.concat(parts, ignore_index=True)
+        pd.testing.assert_frame_equal(out, expected)
+    return list(outputs.values())
+
+
 def _schema_zoo() -> list[pd.DataFrame]:
     n = 6
     base = {
@@ -1026,10 +1037,7 @@ def test_unpacked_gathered_partition_is_writable_and_exact(index: bool) -> None:
     ]
     meta = frames[0].iloc[:0]
     outputs = shuffle(adapter, frames, ["k"], 4, meta)
-    for pid, out in outputs.items():
-        parts = [f[_ids(adapter, f, 4) == pid] for f in frames]
-        expected = pd.concat(parts) if index else pd.concat(parts, ignore_index=True)
-        pd.testing.assert_frame_equal(out, expected)
+    for out in _outputs_as_selected(adapter, frames, outputs, 4, index):
         out.iloc[0, 1] = -5.0  # the float column, set in place
         assert out.iloc[0, 1] == -5.0
 
@@ -1297,10 +1305,7 @@ def test_arrow_dtype_columns_come_back_exact(index: bool, layout: str) -> None:
     adapter = PandasAdapter(index=index)
     meta = frames[0].iloc[:0]
     outputs = shuffle(adapter, frames, ["k"], 5, meta)
-    for pid, out in outputs.items():
-        parts = [f[_ids(adapter, f, 5) == pid] for f in frames]
-        expected = pd.concat(parts) if index else pd.concat(parts, ignore_index=True)
-        pd.testing.assert_frame_equal(out, expected)
+    for out in _outputs_as_selected(adapter, frames, outputs, 5, index):
         assert_same_dtypes(out, meta)
 
 
