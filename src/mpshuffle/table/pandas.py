@@ -104,21 +104,6 @@ _OBJECT_SAFE = (
 )
 
 
-def _arrow_dtype_round_trips(dtype: pd.ArrowDtype) -> bool:
-    """Whether pyarrow's ``to_pandas`` can read back an ``ArrowDtype`` column (remembered per dtype).
-
-    It rebuilds extension dtypes from their names in the pandas metadata, and
-    pandas cannot parse the names of some Arrow types (nested ones such as
-    ``list<item: int64>[pyarrow]`` everywhere, dictionary ones under pandas 2);
-    such columns travel pickled instead. Tried on a column of zero rows, so
-    the answer is the installed pandas' and pyarrow's; once per dtype and
-    process (tried per insert and column it cost 4.5 ms each, 0.25 s of a
-    worker's 2.7 s in the lineitem shuffle as ``dask.dataframe.read_parquet``
-    gives it: 4 decimal and 3 date columns; session 27).
-    """
-    return _per_dtype(_extension_converts, dtype)
-
-
 def _per_dtype(test: Callable[[Any], bool], dtype: Any) -> bool:
     """``test(dtype)``, remembered per test and dtype; a dtype that does not hash is tried each time."""
     try:
@@ -146,7 +131,14 @@ def _extension_converts(dtype: Any) -> bool:
     ``string``, the extract's reconcile casts it to the meta's); others
     (``Sparse[...]``, which pyarrow refuses with a ``TypeError``, or a third
     party's dtype that cannot convert) travel pickled, as Dask's task and P2P
-    shuffles move them. Tried on a column of zero rows.
+    shuffles move them. So do ``ArrowDtype`` columns whose type pandas cannot
+    name back from the pandas metadata (nested ones such as
+    ``list<item: int64>[pyarrow]`` everywhere, dictionary ones under pandas
+    2). Tried on a column of zero rows, so the answer is the installed
+    pandas' and pyarrow's, once per dtype and process (tried per insert and
+    column for ``ArrowDtype`` columns until session 27, it cost 4.5 ms each:
+    0.25 s of a worker's 2.7 s in TPC-H lineitem as ``dask.dataframe.read_parquet``
+    gives it).
     """
     try:
         empty = pd.DataFrame({"c": pd.array([], dtype=dtype)})
@@ -199,17 +191,13 @@ def _pickled_positions(frame: pd.DataFrame, dtypes: tuple[Any, ...]) -> list[int
 
     An ``object`` column that Arrow cannot convert, or converts to a type
     that does not come back as the same Python objects (see
-    ``_OBJECT_SAFE``), an ``ArrowDtype`` column pandas cannot read back, and
-    a column of another extension dtype that does not go to Arrow and back
-    (``Sparse``: :func:`_extension_round_trips`).
+    ``_OBJECT_SAFE``), and a column of an extension dtype that does not go
+    to Arrow and back (``Sparse``, nested ``ArrowDtype``: :func:`_extension_round_trips`).
     ``dtypes`` is ``tuple(frame.dtypes)``.
     """
     out = []
     for i, dtype in enumerate(dtypes):
-        if isinstance(dtype, pd.ArrowDtype):
-            if not _arrow_dtype_round_trips(dtype):
-                out.append(i)
-        elif isinstance(dtype, pd.api.extensions.ExtensionDtype) and not _extension_round_trips(dtype):
+        if isinstance(dtype, pd.api.extensions.ExtensionDtype) and not _extension_round_trips(dtype):
             out.append(i)
         elif dtype == object:
             column = frame.iloc[:, i]
