@@ -1307,6 +1307,9 @@ def test_arrow_dtype_columns_come_back_exact(index: bool, layout: str) -> None:
     outputs = shuffle(adapter, frames, ["k"], 5, meta)
     for out in _outputs_as_selected(adapter, frames, outputs, 5, index):
         assert_same_dtypes(out, meta)
+        k = list(out.columns).index("k")
+        out.iloc[0, k] = -7  # the other columns are a frame as to_pandas gives, set in place
+        assert out["k"].iloc[0] == -7
 
 
 def test_arrow_dtype_columns_need_no_cast(monkeypatch: pytest.MonkeyPatch) -> None:

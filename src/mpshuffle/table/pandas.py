@@ -976,7 +976,9 @@ class PandasAdapter(FrameAdapter):
         wrapped = _arrow_dtype_columns(table, meta, header.names is not None) if meta is not None else {}
         if wrapped:
             table = _without_columns(table, wrapped)
-        converted = _owned_to_pandas(table, schema) if owned and not wrapped else None
+        # The rest of a gathered table keeps its zero-copy numeric columns; its
+        # schema is no longer the one a direct-frame plan was made for.
+        converted = _owned_to_pandas(table, None if wrapped else schema) if owned else None
         if converted is None:
             converted = table.to_pandas(use_threads=False)
         if wrapped:
