@@ -98,22 +98,23 @@ def synthetic(partitions: int, rows: int) -> tuple[dd.DataFrame, str]:
     return dd.from_map(make_partition, list(range(partitions)), [rows] * partitions), "key"
 
 
-def lineitem(sf: float, parts: int, directory: Path) -> tuple[dd.DataFrame, str]:
-    from mpshuffle.demo.tpch import generate, load_parquet
-
-    root = generate(sf, directory, parts=parts, tables=("lineitem",))
-    path = Path(root, "lineitem")
-    files = sorted(str(p) for p in path.glob("*.parquet")) if path.is_dir() else [str(Path(root, "lineitem.parquet"))]
-    return dd.from_map(load_parquet, files), "l_orderkey"
-
-
-def lineitem_dask(sf: float, parts: int, directory: Path) -> tuple[dd.DataFrame, str]:
-    """lineitem as ``dask.dataframe.read_parquet`` gives it: decimals, ``date32[pyarrow]``, Arrow strings."""
+def _lineitem_files(sf: float, parts: int, directory: Path) -> list[str]:
     from mpshuffle.demo.tpch import generate
 
     root = generate(sf, directory, parts=parts, tables=("lineitem",))
     path = Path(root, "lineitem")
-    return dd.read_parquet(str(path if path.is_dir() else Path(root, "lineitem.parquet"))), "l_orderkey"
+    return sorted(str(p) for p in path.glob("*.parquet")) if path.is_dir() else [str(Path(root, "lineitem.parquet"))]
+
+
+def lineitem(sf: float, parts: int, directory: Path) -> tuple[dd.DataFrame, str]:
+    from mpshuffle.demo.tpch import load_parquet
+
+    return dd.from_map(load_parquet, _lineitem_files(sf, parts, directory)), "l_orderkey"
+
+
+def lineitem_dask(sf: float, parts: int, directory: Path) -> tuple[dd.DataFrame, str]:
+    """lineitem as ``dask.dataframe.read_parquet`` gives it: decimals, ``date32[pyarrow]``, Arrow strings."""
+    return dd.read_parquet(_lineitem_files(sf, parts, directory)), "l_orderkey"
 
 
 def shuffled(method: str, df: dd.DataFrame, on: str, npartitions: int) -> dd.DataFrame:

@@ -281,7 +281,7 @@ def test_chunked_strings_past_32_bit_offsets_are_refused_by_name() -> None:
     table = pa.table({"k": np.zeros(2 * rows, np.int64), "blob": pa.chunked_array([chunk, chunk])})
     with pytest.raises(ValueError, match="column 'blob'.*32-bit offsets"):
         ArrowAdapter().split(table, ["k"], 1)
-    # Into enough partitions, every piece fits.
+    # Rows of both chunks whose pieces fit still split.
     ids = np.arange(2 * rows) % 4
     pieces = ArrowAdapter().split(table.slice(rows - 40, 80), ["k"], 4, ids=ids[:80])
     assert sum(p.nrows for p in pieces.values()) == 80

@@ -184,7 +184,7 @@ def _arrow_column(array: pa.Array | pa.ChunkedArray, field: int) -> Column:
                 col.hashable, col.factor = "int", factor
                 col.typed = col.values.view({4: np.int32, 8: np.int64}[width])
         return col
-    if (pa.types.is_decimal128(t) or pa.types.is_decimal256(t)) and t.bit_width % 64 == 0:
+    if pa.types.is_decimal128(t) or pa.types.is_decimal256(t):
         # Words of 8 bytes per value (scatter_words); hashed from ``source``.
         width = t.bit_width // 8
         words = width // 8
